@@ -1,0 +1,30 @@
+# One venv per checkout. torch is installed first and pinned so the rest
+# resolves against the CPU build that lies on the machine's disk.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/recsys train $(ARGS)
+
+test: setup
+	$(BIN)/pytest $(ARGS)
+
+bench: setup
+	$(BIN)/python -m bench.run_all $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,134 @@
+"""The manifest: what a preprocessed dataset directory holds.
+
+A dataset directory is valid exactly when it has a manifest.json; every writer
+builds the directory under a temporary name and renames it into place last, so
+a killed run never leaves something that looks valid.
+
+Shard schema (parquet), shared by every writer and by the loader:
+  label    float32
+  dense    fixed_size_list<float32>[13]   (already log(1 + max(x, 0)), missing -> 0)
+  <sparse> int32 per one-hot feature (ids in [0, vocab_size)), or
+           list<int32> per multi-hot feature
+  session  int64, only when the manifest names a session column
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DENSE_COLUMN = "dense"
+LABEL_COLUMN = "label"
+SESSION_COLUMN = "session"
+NUM_DENSE = 13
+CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
+CRITEO_SPARSE = [f"C{i}" for i in range(1, 27)]
+SPLITS = ("train", "val", "test")
+
+
+class ManifestError(ValueError):
+    """A dataset directory that is missing, incomplete or of another format."""
+
+
+@dataclass
+class SparseFeature:
+    name: str
+    vocab_size: int
+    multi_hot: bool = False
+
+
+@dataclass
+class Shard:
+    file: str  # relative to the dataset directory
+    rows: int
+    sha256: str
+
+
+@dataclass
+class Split:
+    rows: int
+    shards: list[Shard]
+
+
+@dataclass
+class Manifest:
+    source: str
+    sparse_features: list[SparseFeature]
+    splits: dict[str, Split]
+    dense_features: list[str] = field(default_factory=lambda: list(CRITEO_DENSE))
+    session_column: str | None = None
+    options: dict = field(default_factory=dict)
+    inputs: list[dict] = field(default_factory=list)
+    skipped_lines: int = 0
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.sparse_features]
+
+    def feature(self, name: str) -> SparseFeature:
+        for f in self.sparse_features:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        d = dict(d)
+        d["sparse_features"] = [SparseFeature(**f) for f in d["sparse_features"]]
+        d["splits"] = {
+            k: Split(rows=v["rows"], shards=[Shard(**s) for s in v["shards"]])
+            for k, v in d["splits"].items()
+        }
+        return cls(**d)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write manifest.json atomically (temporary file, fsync, rename)."""
+        path = Path(directory) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def load_manifest(directory: str | os.PathLike) -> Manifest:
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise ManifestError(f"dataset directory {directory} does not exist")
+    if not path.is_file():
+        raise ManifestError(
+            f"{path} not found: {directory} is not a preprocessed dataset "
+            "(run `recsys preprocess criteo input=... output=...` first)"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"{path}: format_version {version!r}, this recsys reads {FORMAT_VERSION}"
+        )
+    try:
+        return Manifest.from_dict(raw)
+    except (TypeError, KeyError) as e:
+        raise ManifestError(f"{path}: malformed manifest ({e})") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

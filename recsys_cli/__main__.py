@@ -1,0 +1,3 @@
+from recsys_cli.cli import main
+
+main()

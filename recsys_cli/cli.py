@@ -1,0 +1,63 @@
+"""The `recsys` command: `recsys train ...`, `recsys preprocess SOURCE ...`, `recsys report DIR`.
+
+Each subcommand is a Hydra app over configs/; the word after `recsys` picks it
+and the remaining arguments are Hydra overrides.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+from recsys_cli.errors import UserError
+
+USAGE = """usage: recsys COMMAND [hydra overrides]
+
+commands:
+  train                 train DLRM (recsys train +placement=lookahead optimizer.lr=0.1)
+  preprocess criteo     raw Criteo TSV -> parquet shards + manifest (input=PATH output=DIR)
+  preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
+  report                table, CSV and plots of a run or sweep directory (recsys report DIR)
+
+`recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
+"""
+
+
+def fail(message: str, code: int = 2) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            from recsys_cli.train.app import run_train_app
+
+            run_train_app(rest)
+        elif command == "preprocess":
+            from recsys_cli.preprocess import run_preprocess
+
+            if not rest or rest[0].startswith("-") or "=" in rest[0]:
+                fail("preprocess needs a source: recsys preprocess criteo|synthetic ...")
+            run_preprocess(rest[0], rest[1:])
+        elif command == "report":
+            from recsys_cli.report import run_report
+
+            run_report(rest)
+        else:
+            print(USAGE)
+            fail(f"unknown command {command!r}")
+    except UserError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+
+
+if __name__ == "__main__":
+    main()

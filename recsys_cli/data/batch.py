@@ -1,0 +1,34 @@
+"""Batch: what the loader yields and the model consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from recsys_cli.data.jagged import KeyedJaggedTensor
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor  # float32 [B, 13]
+    sparse: KeyedJaggedTensor  # ids local to each feature's table
+    labels: torch.Tensor  # float32 [B]
+    session: torch.Tensor | None = None  # int64 [B] when the dataset has sessions
+    # Work done ahead of the trainer (embedding lookup plans, cache slots),
+    # attached by transforms that run on the loader or prefetcher thread.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.labels.numel()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return replace(
+            self,
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            session=None if self.session is None else self.session.to(device, non_blocking=non_blocking),
+        )

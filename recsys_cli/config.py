@@ -1,0 +1,169 @@
+"""Structured configs: the schema every YAML file in configs/ is checked against.
+
+Each config group (dataset, model, placement, precision, dedup, trainer,
+optimizer) has one dataclass here; the YAML files only choose values. A key
+that is not a field, or a value of the wrong type, fails at start-up with the
+key's full name. Values with a closed set of choices are checked in
+`validate`, which the trainer calls before it does any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from data_tools.synthetic import SyntheticConfig
+from recsys_cli.errors import UserError
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "synthetic"
+    # A preprocessed dataset directory (manifest.json + shards). Empty for the
+    # synthetic dataset, which is generated on first use into cache_dir.
+    path: Optional[str] = None
+    cache_dir: Optional[str] = None
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "dlrm_small"
+    embedding_dim: int = 16
+    # Hidden and output widths; the bottom MLP's input is the 13 dense
+    # features and its output must equal embedding_dim for the dot interaction.
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+    interaction: str = "dot"  # dot | cat
+    # When set, the dataset's sparse features must be exactly these.
+    features: Optional[list[str]] = None
+
+
+@dataclass
+class PlacementConfig:
+    # device (alias gpu) | uvm | lookahead | cache | auto
+    kind: str = "device"
+    # Cache size in rows for lookahead/cache; when unset, cache_ratio of all rows.
+    cache_rows: Optional[int] = None
+    cache_ratio: float = 0.05
+    window: int = 4  # lookahead: batches prefetched ahead of the trainer
+    policy: str = "lru"  # victim policy: lru | lfu
+    # Per-table placement: {table name: placement}, applied after the size rule.
+    overrides: dict[str, str] = field(default_factory=dict)
+    # Tables with at most this many rows stay on the device whatever `kind` says.
+    device_max_rows: Optional[int] = None
+    # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB").
+    device_memory_budget: Optional[str] = None
+
+
+@dataclass
+class PrecisionConfig:
+    kind: str = "fp32"  # fp32 | fp16 | int8 | int4
+    rounding: str = "stochastic"  # stochastic | nearest
+    # fp32 cache in front of a low-precision table; unset: the paper's defaults
+    # (0.05 for int8, 0.01 for int4, 0.05 for fp16).
+    cache_ratio: Optional[float] = None
+    policy: str = "lru"
+
+
+@dataclass
+class DedupConfig:
+    enabled: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    # sgd: SGD for dense and rows; adagrad: Adagrad for dense parameters and
+    # row-wise Adagrad (one accumulator per row) for embedding rows.
+    name: str = "sgd"
+    lr: float = 0.1
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    batch_size: int = 128
+    eval_batch_size: int = 4096
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    eval_every: Optional[int] = None  # steps; evaluation also runs at the end
+    log_every: int = 50
+    checkpoint_every: Optional[int] = None  # steps; a checkpoint is also written at the end
+    checkpoint_dir: Optional[str] = None  # default: <run dir>/checkpoints
+    # "true" resumes from checkpoint_dir's latest checkpoint, a path from that
+    # checkpoint (file or directory).
+    resume: Optional[str] = None
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    nproc: int = 1
+    embedding_sync: str = "grad"  # grad | cache_avg
+    sync_every: int = 1
+    progress: bool = True
+    loader_queue_depth: int = 8
+
+
+@dataclass
+class TrainConfig:
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+PLACEMENTS = ("device", "gpu", "uvm", "lookahead", "cache", "auto")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.interaction": ("dot", "cat"),
+    "placement.kind": PLACEMENTS,
+    "placement.policy": ("lru", "lfu"),
+    "precision.kind": PRECISIONS,
+    "precision.rounding": ("stochastic", "nearest"),
+    "precision.policy": ("lru", "lfu"),
+    "optimizer.name": ("sgd", "adagrad"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.embedding_sync": ("grad", "cache_avg"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Any) -> None:
+    """Check the values a type cannot express; raise UserError naming the key."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for name, kind in cfg.placement.overrides.items():
+        if kind not in PLACEMENTS[:-1]:
+            raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
+    positive = ["trainer.batch_size", "trainer.eval_batch_size", "trainer.epochs", "trainer.log_every",
+                "trainer.nproc", "trainer.sync_every", "placement.window", "model.embedding_dim"]
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")
+    if cfg.optimizer.lr <= 0:
+        raise UserError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    if not 0 < cfg.placement.cache_ratio <= 1:
+        raise UserError(f"placement.cache_ratio must be in (0, 1], got {cfg.placement.cache_ratio}")
+    if cfg.model.interaction == "dot" and cfg.model.bottom_mlp[-1] != cfg.model.embedding_dim:
+        raise UserError(
+            f"model.bottom_mlp ends in {cfg.model.bottom_mlp[-1]} but the dot interaction needs "
+            f"model.embedding_dim={cfg.model.embedding_dim}"
+        )
+    if cfg.model.top_mlp[-1] != 1:
+        raise UserError(f"model.top_mlp must end in 1 (one logit), got {list(cfg.model.top_mlp)}")
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,166 @@
+"""EmbeddingCollection: every sparse feature's pooled embedding, in one module.
+
+forward(batch) -> pooled [B, F, D] (sum pooling). Behind it, table groups
+(tables.py, cache.py) hold the rows wherever the placement puts them. The
+rows a batch needs are gathered once per unique row into a leaf tensor;
+pooling runs with embedding_bag over that small tensor, so backward yields a
+gradient for the batch's unique rows only (never a dense gradient over whole
+tables), and step() hands it to each group's row optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recsys_cli.data.batch import Batch
+from recsys_cli.data.jagged import KeyedJaggedTensor
+from recsys_cli.embeddings.plan import LookupPlan, plan_lookup
+from recsys_cli.embeddings.tables import TableGroup
+
+PLANS = "plans"  # key of the per-group lookup plans in Batch.extras
+
+
+class SumPool(torch.autograd.Function):
+    """Sum pooling of rows[inverse] into bags, with a backward whose
+    summation order depends only on the batch: every row's gradient adds its
+    occurrences in batch order (index_add_). embedding_bag's own CPU backward
+    sorts the ids with an unstable sort, so a row's gradient could change in
+    the last bit with the size of the group it sits in, and row-wise Adagrad
+    amplifies that: exact placements need this order fixed."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, bag_of_id: torch.Tensor):
+        ctx.save_for_backward(inverse, bag_of_id)
+        ctx.num_rows = rows.shape[0]
+        return F.embedding_bag(inverse, rows, offsets, mode="sum")
+
+    @staticmethod
+    def backward(ctx, grad_pooled: torch.Tensor):
+        inverse, bag_of_id = ctx.saved_tensors
+        grad_rows = grad_pooled.new_zeros(ctx.num_rows, grad_pooled.shape[1])
+        grad_rows.index_add_(0, inverse, grad_pooled.index_select(0, bag_of_id))
+        return grad_rows, None, None, None
+
+
+class EmbeddingCollection(nn.Module):
+    def __init__(self, features: list[str], groups: list[tuple[list[str], TableGroup]], dim: int) -> None:
+        """features: every sparse feature in batch key order; groups: (the
+        group's features, group). Every feature is in exactly one group."""
+        super().__init__()
+        self.features = list(features)
+        self.dim = dim
+        self.groups = [g for _, g in groups]
+        self.group_features = [list(fs) for fs, _ in groups]
+        seen = [f for fs in self.group_features for f in fs]
+        if sorted(seen) != sorted(self.features):
+            raise ValueError(f"groups cover {sorted(seen)}, features are {sorted(self.features)}")
+        self._key_index = {f: i for i, f in enumerate(self.features)}
+        self._group_keys = [torch.tensor([self._key_index[f] for f in fs]) for fs in self.group_features]
+        # Output order: pooled parts come out group by group; this puts them
+        # back in feature order.
+        order = [self._key_index[f] for fs in self.group_features for f in fs]
+        self._identity_order = order == list(range(len(order)))
+        self.register_buffer("_restore", torch.argsort(torch.tensor(order)), persistent=False)
+        self._pending: list[tuple[TableGroup, LookupPlan, torch.Tensor]] = []
+
+    # --- planning: runs on the loader thread ------------------------------
+    def plan(self, batch: Batch) -> Batch:
+        """Attach one LookupPlan per group to the batch (a loader transform)."""
+        sparse = batch.sparse
+        if not isinstance(sparse, KeyedJaggedTensor):
+            return self._plan_dedup(batch)
+        if sparse.keys != self.features:
+            raise ValueError(f"batch features {sparse.keys} differ from the model's {self.features}")
+        num_keys, stride = len(sparse.keys), sparse.stride
+        lengths = sparse.lengths.view(num_keys, stride)
+        ids_per_key = lengths.sum(1)
+        plans = []
+        for keys, group in zip(self._group_keys, self.groups):
+            if len(self.groups) == 1:
+                values, group_lengths = sparse.values, sparse.lengths
+            else:
+                chunks = torch.split(sparse.values, ids_per_key.tolist())
+                values = torch.cat([chunks[k] for k in keys.tolist()])
+                group_lengths = lengths[keys].reshape(-1)
+            plans.append(plan_lookup(values, group_lengths, ids_per_key[keys], group.feature_row_offset))
+        batch.extras[PLANS] = plans
+        return batch
+
+    def _plan_dedup(self, batch: Batch) -> Batch:
+        ikjt = batch.sparse
+        if ikjt.keys != self.features:
+            raise ValueError(f"batch features {ikjt.keys} differ from the model's {self.features}")
+        plans = []
+        for keys, group in zip(self._group_keys, self.groups):
+            values, lengths, ids_per_key, bag_inverse = ikjt.select_for_lookup(keys.tolist())
+            plans.append(plan_lookup(values, lengths, ids_per_key, group.feature_row_offset, bag_inverse))
+        batch.extras[PLANS] = plans
+        return batch
+
+    # --- the step ----------------------------------------------------------
+    def forward(self, batch: Batch) -> torch.Tensor:
+        plans: list[LookupPlan] = batch.extras.get(PLANS) or self.plan(batch).extras[PLANS]
+        stride = batch.size
+        record = torch.is_grad_enabled()
+        parts = []
+        for group, plan in zip(self.groups, plans):
+            if record:
+                rows = group.gather(plan).requires_grad_()
+                self._pending.append((group, plan, rows))
+            else:
+                rows = group.read(plan.unique)
+            pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.bag_of_id)
+            if plan.bag_inverse is not None:
+                pooled = pooled.index_select(0, plan.bag_inverse.reshape(-1))
+            parts.append(pooled.view(plan.num_features, stride, self.dim))
+        pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if not self._identity_order:
+            pooled = pooled.index_select(0, self._restore)
+        return pooled.transpose(0, 1)  # [B, F, D]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply the row optimizer to every row the last forward gathered."""
+        for group, plan, rows in self._pending:
+            if rows.grad is not None:
+                group.update(plan, rows.detach(), rows.grad)
+        self._pending.clear()
+
+    def release(self, batch: Batch) -> None:
+        for group, plan in zip(self.groups, batch.extras.get(PLANS, ())):
+            group.release(plan)
+
+    # --- whole tables --------------------------------------------------------
+    def flush(self) -> None:
+        for g in self.groups:
+            g.flush()
+
+    def table_state(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for g in self.groups:
+            out.update(g.table_state())
+        return out
+
+    def load_table_state(self, tables: dict[str, dict]) -> None:
+        for g in self.groups:
+            g.load_table_state(tables)
+
+    def memory(self) -> dict[str, int]:
+        total = {"device": 0, "host": 0}
+        for g in self.groups:
+            for tier, n in g.memory().items():
+                total[tier] += n
+        return total
+
+    def stats(self) -> dict:
+        merged: dict = {}
+        for g in self.groups:
+            for k, v in g.stats().items():
+                if isinstance(v, (int, float)):
+                    merged[k] = merged.get(k, 0) + v
+        if "hits" in merged:
+            total = merged["hits"] + merged["misses"]
+            merged["hit_rate"] = merged["hits"] / total if total else None
+        return merged

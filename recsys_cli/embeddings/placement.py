@@ -1,0 +1,85 @@
+"""Placement: which tables live where, and the table groups that hold them.
+
+Placement (where a table lives) and precision (what it holds) are separate
+axes. Every table gets a placement from the config (default kind, then the
+size rule, then per-table overrides); tables that share (placement,
+precision) are fused into one group. A low-precision table always sits
+behind an fp32 cache: with `lookahead` that is the lookahead cache, with any
+other placement an on-demand cache of precision.cache_ratio of its rows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from recsys_cli.embeddings.collection import EmbeddingCollection
+from recsys_cli.embeddings.optim import RowOptimizer
+from recsys_cli.embeddings.store import RowStore
+from recsys_cli.embeddings.tables import DirectGroup, TableSpec, init_table
+from recsys_cli.errors import UserError
+
+DEFAULT_CACHE_RATIO = {"fp16": 0.05, "int8": 0.05, "int4": 0.01}
+
+
+def table_placements(tables: list[TableSpec], placement) -> dict[str, str]:
+    kind = "device" if placement.kind == "gpu" else placement.kind
+    out = {}
+    for t in tables:
+        p = kind
+        if placement.device_max_rows is not None and t.num_rows <= placement.device_max_rows:
+            p = "device"
+        out[t.name] = p
+    for name, p in placement.overrides.items():
+        if name not in out:
+            raise UserError(f"placement.overrides names table {name!r}; tables are {', '.join(out)}")
+        out[name] = "device" if p == "gpu" else p
+    return out
+
+
+def build_embeddings(
+    features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
+    device: torch.device, seed: int, placements: dict[str, str] | None = None,
+) -> EmbeddingCollection:
+    """One table per feature, named after it, grouped by (placement, precision)."""
+    tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
+    placements = placements or table_placements(tables, placement)
+    groups: "OrderedDict[str, list[TableSpec]]" = OrderedDict()
+    for t in tables:
+        groups.setdefault(placements[t.name], []).append(t)
+    built = []
+    for index, (kind, specs) in enumerate(groups.items()):
+        weights = torch.cat([init_table(t, seed * 1000 + features.index(t.name)) for t in specs])
+        group = make_group(kind, specs, weights, placement, precision, optimizer, device, seed + index)
+        built.append(([t.name for t in specs], group))
+    return EmbeddingCollection(features, built, dim)
+
+
+def make_group(kind, specs, weights, placement, precision, optimizer, device, seed):
+    names = [t.name for t in specs]
+    host = kind in ("uvm", "lookahead", "cache")
+    store_device = torch.device("cpu") if host else device
+    generator = torch.Generator(device=store_device).manual_seed(seed)
+    store = RowStore(
+        weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device),
+        precision.kind, precision.rounding, generator,
+    )
+    if host and device.type == "cuda":
+        store.pin_memory()
+    args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
+    if kind in ("lookahead", "cache") or precision.kind != "fp32":
+        from recsys_cli.embeddings.cache import CachedGroup, cache_slots
+
+        if kind in ("lookahead", "cache"):
+            ratio, policy = placement.cache_ratio, placement.policy
+            rows = placement.cache_rows
+        else:
+            ratio = precision.cache_ratio or DEFAULT_CACHE_RATIO[precision.kind]
+            policy, rows = precision.policy, None
+        slots = cache_slots(weights.shape[0], rows, ratio)
+        return CachedGroup(
+            **args, store_tier="device" if kind == "device" else "host", cache_slots=slots, policy=policy,
+            lookahead=kind == "lookahead", window=placement.window, admit_all=precision.kind == "fp32",
+        )
+    return DirectGroup(**args, kind=kind)

@@ -1,0 +1,159 @@
+"""Table groups: the tables of one placement behind one fused row store.
+
+A group owns a set of tables, fused into one row space with per-table row
+offsets. The collection asks each group for the rows of a batch's plan
+(`gather`) and hands back their gradients (`update`); where the rows live,
+and how they get to the device, is the group's business:
+
+  DirectGroup   rows read from the store and written back every step; the
+                store lives on the device ("device") or in host memory ("uvm").
+  CachedGroup   (cache.py) a device cache of fp32 rows in front of the store,
+                filled ahead by the lookahead prefetcher or on demand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recsys_cli.embeddings.optim import RowOptimizer
+from recsys_cli.embeddings.plan import LookupPlan
+from recsys_cli.embeddings.store import RowStore
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+
+
+def init_table(spec: TableSpec, seed: int) -> torch.Tensor:
+    """DLRM's init, uniform(+-1/sqrt(rows)), from a per-table seed so every
+    placement and precision starts from the same fp32 values."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / spec.num_rows**0.5
+    return torch.empty(spec.num_rows, spec.dim).uniform_(-bound, bound, generator=gen)
+
+
+class TableGroup:
+    kind = "base"
+
+    def __init__(
+        self, tables: list[TableSpec], feature_tables: list[str], store: RowStore,
+        optimizer: RowOptimizer, device: torch.device, store_tier: str = "device",
+    ) -> None:
+        self.tables = tables
+        self.store_tier = store_tier  # where the store counts: "device" or "host"
+        self.optimizer = optimizer
+        self.store = store
+        self.device = device
+        self.dim = tables[0].dim
+        self.row_offset: dict[str, int] = {}
+        offset = 0
+        for t in tables:
+            self.row_offset[t.name] = offset
+            offset += t.num_rows
+        self.num_rows = offset
+        self.feature_row_offset = torch.tensor([self.row_offset[t] for t in feature_tables], dtype=torch.int64)
+
+    # --- the step: called by the collection -------------------------------
+    def prepare(self, plan: LookupPlan) -> None:
+        """Make the plan's rows readable (a cache fills and pins them)."""
+
+    def gather(self, plan: LookupPlan) -> torch.Tensor:
+        """fp32 rows of plan.unique on the device."""
+        raise NotImplementedError
+
+    def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply the row optimizer to the rows `gather` returned."""
+        raise NotImplementedError
+
+    def release(self, plan: LookupPlan) -> None:
+        """The trainer is done with the plan's rows."""
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Current fp32 rows, no side effects (evaluation, checks)."""
+        raise NotImplementedError
+
+    # --- whole-table access: checkpoints and reports -----------------------
+    def flush(self) -> None:
+        """Write every cached row back to the store."""
+
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per table, the store's native tensors (rows in their precision and
+        the optimizer state), after a flush."""
+        self.flush()
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for t in self.tables:
+            lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
+            tensors = {k: v[lo:hi].cpu().clone() for k, v in self.store.rows.tensors().items()}
+            tensors["state"] = self.store.state[lo:hi].cpu().clone()
+            out[t.name] = {"precision": self.store.precision, **tensors}
+        return out
+
+    def load_table_state(self, tables: dict[str, dict]) -> None:
+        """Load what table_state wrote, from any placement; a table saved in
+        another precision is converted through fp32."""
+        from recsys_cli.embeddings.quant import make_rows
+
+        for t in self.tables:
+            saved = tables[t.name]
+            lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
+            ids = torch.arange(lo, hi, device=self.store.device)
+            if saved["precision"] == self.store.precision:
+                for k, v in self.store.rows.tensors().items():
+                    v[lo:hi] = saved[k].to(v.device)
+            else:
+                rows = make_rows(torch.zeros(0, t.dim), saved["precision"])
+                for k in rows.tensors():
+                    setattr(rows, k, saved[k])
+                fp32 = rows.read(torch.arange(t.num_rows))
+                self.store.rows.write(ids, fp32.to(self.store.device))
+            state = saved["state"].to(self.store.device)
+            if state.shape[1] == self.store.state.shape[1]:
+                self.store.state[lo:hi] = state
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget cached rows after the store was overwritten."""
+
+    def memory(self) -> dict[str, int]:
+        """Bytes actually allocated, by tier ("device" or "host")."""
+        return {self.store_tier: self.store.nbytes()}
+
+    def stats(self) -> dict:
+        return {}
+
+
+class DirectGroup(TableGroup):
+    """No cache: rows go between the store and the trainer every step."""
+
+    def __init__(self, *args, kind: str = "device", **kwargs) -> None:
+        super().__init__(*args, store_tier="device" if kind == "device" else "host", **kwargs)
+        self.kind = kind
+        self.bytes_to_device = 0
+        self.bytes_to_host = 0
+
+    def gather(self, plan: LookupPlan) -> torch.Tensor:
+        rows = self.store.rows.read(plan.unique.to(self.store.device, non_blocking=True))
+        if self.store_tier == "host":  # counted on CPU runs too: the traffic a GPU would see
+            self.bytes_to_device += rows.numel() * 4
+        return rows.to(self.device, non_blocking=True)
+
+    def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        ids = plan.unique.to(self.store.device, non_blocking=True)
+        state = self.store.state.index_select(0, ids).to(self.device, non_blocking=True)
+        rows, state = self.optimizer.step(rows, state, grad)
+        if self.store_tier == "host":
+            self.bytes_to_host += rows.numel() * 4
+        self.store.write(ids, rows.to(self.store.device), state.to(self.store.device))
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.store.rows.read(ids.to(self.store.device)).to(self.device)
+
+    def stats(self) -> dict:
+        if self.kind == "device":
+            return {}
+        return {"bytes_to_device": self.bytes_to_device, "bytes_to_host": self.bytes_to_host}

@@ -1,0 +1,67 @@
+"""Checkpoints: everything a resumed run needs to end where an uninterrupted one would.
+
+A checkpoint is one file, step-NNNNNNNN.pt, written to a temporary name and
+renamed; latest.json (also renamed into place) names the newest. A run
+killed at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from recsys_cli.errors import UserError
+
+LATEST = "latest.json"
+
+
+def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:08d}.pt"
+    tmp = directory / f".{path.name}.tmp"
+    torch.save(state, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    latest_tmp = directory / f".{LATEST}.tmp"
+    latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
+    os.replace(latest_tmp, directory / LATEST)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def find_checkpoint(location: str | Path) -> Path:
+    """A checkpoint file, or a directory whose latest.json names one."""
+    location = Path(location)
+    if location.is_file():
+        return location
+    latest = location / LATEST
+    if latest.is_file():
+        path = location / json.loads(latest.read_text())["file"]
+        if path.is_file():
+            return path
+    raise UserError(f"no checkpoint at {location} (expected a .pt file or a directory with {LATEST})")
+
+
+def find_latest_run_checkpoint(outputs: Path) -> Path:
+    """The newest checkpoint directory of earlier runs under `outputs`
+    (Hydra's outputs/DATE/TIME/checkpoints): `trainer.resume=true` continues the last run."""
+    candidates = [p.parent for p in outputs.glob("*/*/checkpoints/" + LATEST)]
+    candidates += [p.parent for p in outputs.glob("*/checkpoints/" + LATEST)]
+    if not candidates:
+        raise UserError(
+            f"trainer.resume=true found no checkpoint under {outputs}; "
+            "give trainer.checkpoint_dir=DIR or trainer.resume=PATH"
+        )
+    return find_checkpoint(max(candidates, key=lambda p: (p / LATEST).stat().st_mtime))
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file
+        raise UserError(f"cannot read checkpoint {path}: {e}") from None

@@ -1,0 +1,71 @@
+"""The training progress bar and the end-of-run table (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class TrainProgress:
+    def __init__(self, total: int, done: int, enabled: bool = True, console: Console | None = None) -> None:
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:,.0f} samples/s"),
+            TimeElapsedColumn(), TimeRemainingColumn(),
+            console=console, disable=not enabled, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=done, loss=float("nan"), rate=0.0)
+
+    def __enter__(self) -> "TrainProgress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, step: int, loss: float, rate: float) -> None:
+        self.progress.update(self.task, completed=step, loss=loss, rate=rate)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title="recsys train: summary", show_header=True, header_style="bold")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    add = table.add_row
+    add("device / placement / precision / dedup",
+        f"{summary['device']} / {summary['placement']} / {summary['precision']} / {'on' if summary['dedup'] else 'off'}")
+    add("steps", f"{summary['steps']:,}")
+    add("samples/s", f"{summary['samples_per_second'] or 0:,.0f}")
+    for split, m in summary["final"].items():
+        add(f"{split} AUC / logloss / accuracy", f"{m['auc']:.4f} / {m['logloss']:.4f} / {m['accuracy']:.4f}")
+    for phase, seconds in summary["phase_seconds"].items():
+        add(f"seconds: {phase}", f"{seconds:.2f}")
+    for tier, n in summary["embedding_bytes"].items():
+        add(f"embedding bytes: {tier}", _bytes(n))
+    add("peak host RSS", _bytes(summary["peak_host_rss_bytes"]))
+    if summary.get("peak_device_bytes") is not None:
+        add("peak device memory", _bytes(summary["peak_device_bytes"]))
+    cache = summary.get("cache") or {}
+    if "hits" in cache:
+        add("cache hit rate", f"{cache['hit_rate']:.3f}" if cache.get("hit_rate") is not None else "-")
+        add("cache rows loaded / evicted", f"{cache['rows_loaded']:,} / {cache['rows_evicted']:,}")
+        add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
+        add("cache fill seconds", f"{cache['prepare_seconds']:.2f}")
+        if "window_used_mean" in cache:
+            add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
+    elif "bytes_to_device" in cache:
+        add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
+    add("ids served by an already-gathered row", f"{summary['dedup_ratio']:.3f}")
+    return table

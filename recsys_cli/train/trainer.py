@@ -1,0 +1,323 @@
+"""The trainer: data -> embeddings -> DLRM -> loss -> row and dense updates.
+
+Read top to bottom: Trainer.__init__ builds everything from the config,
+fit() runs the epochs, train_step() is one step split into the phases the
+run reports, evaluate() scores a split, save()/resume() checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from data_tools.manifest import ManifestError, load_manifest
+from recsys_cli.config import validate
+from recsys_cli.data.batch import Batch
+from recsys_cli.data.loader import ShardLoader
+from recsys_cli.embeddings.collection import PLANS
+from recsys_cli.embeddings.optim import RowOptimizer
+from recsys_cli.embeddings.placement import build_embeddings
+from recsys_cli.embeddings.prefetch import Prefetcher
+from recsys_cli.errors import UserError
+from recsys_cli.model.dlrm import DLRM
+from recsys_cli.train import checkpoint as ckpt
+from recsys_cli.train.metrics import MetricsLog, PhaseTimer, binary_metrics, write_json_atomic
+from recsys_cli.train.progress import TrainProgress
+
+PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "sparse_update", "dense_update", "eval")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is available (use trainer.device=auto or cpu)")
+    return torch.device(name)
+
+
+def resolve_dataset(dataset) -> Path:
+    """The dataset directory: dataset.path, or the built-in synthetic data,
+    generated on first use."""
+    try:
+        path = dataset.path
+    except Exception:  # OmegaConf's MissingMandatoryValue for `path: ???`
+        raise UserError(f"dataset {dataset.name} needs dataset.path=DIR (a `recsys preprocess` output)") from None
+    if path:
+        return Path(path).expanduser()
+    if not dataset.name.startswith("synthetic"):
+        raise UserError(f"dataset {dataset.name} needs dataset.path=DIR (a `recsys preprocess` output)")
+    from data_tools.synthetic import SyntheticConfig, default_dataset
+
+    synthetic = SyntheticConfig(**OmegaConf.to_container(dataset.synthetic, resolve=True))
+    return default_dataset(synthetic, Path(dataset.cache_dir).expanduser() if dataset.cache_dir else None)
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: Path | None = None, console=None) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.console = console
+        tc = cfg.trainer
+        self.device = resolve_device(tc.device)
+        self.dataset_dir = resolve_dataset(cfg.dataset)
+        try:
+            self.manifest = load_manifest(self.dataset_dir)
+        except ManifestError as e:
+            raise UserError(str(e)) from None
+        features = self.manifest.feature_names
+        if cfg.model.features is not None and list(cfg.model.features) != features:
+            raise UserError(
+                f"model {cfg.model.name} expects sparse features {list(cfg.model.features)}, "
+                f"but {self.dataset_dir}/manifest.json has {features}"
+            )
+
+        torch.manual_seed(tc.seed)
+        opt = cfg.optimizer
+        row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
+        embeddings = build_embeddings(
+            features, [f.vocab_size for f in self.manifest.sparse_features], cfg.model.embedding_dim,
+            cfg.placement, cfg.precision, row_optimizer, self.device, tc.seed,
+        )
+        self.model = DLRM(
+            len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
+            cfg.model.interaction,
+        ).to(self.device)
+        self.embeddings = embeddings
+        if opt.name == "sgd":
+            self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr)
+        else:
+            self.dense_optimizer = torch.optim.Adagrad(
+                self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator
+            )
+
+        loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth)
+        self.train_loader = ShardLoader(
+            self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
+            keep_sessions=cfg.dedup.enabled, **loader_args,
+        )
+        self.eval_loaders = {
+            split: ShardLoader(self.dataset_dir, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
+            for split in ("val", "test")
+            if split in self.manifest.splits and self.manifest.splits[split].rows > 0
+        }
+        per_epoch = self.train_loader.num_batches
+        self.total_steps = tc.epochs * per_epoch if tc.max_steps is None else min(tc.max_steps, tc.epochs * per_epoch)
+        if self.total_steps < 1:
+            raise UserError(
+                f"no training steps: {self.manifest.splits['train'].rows} train rows at "
+                f"trainer.batch_size={tc.batch_size}"
+            )
+
+        self.timer = PhaseTimer(self.device)
+        self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None)
+        self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.samples = 0
+        self.train_seconds = 0.0
+        self.step_losses: list[float] = []  # every step's loss, kept for tests and exactness checks
+        self.record_losses = False
+        self.evals: list[dict] = []
+        self.window_used: list[int] = []
+        self.dedup_totals = {"ids": 0, "unique_ids": 0}
+        if tc.resume:
+            self.resume(tc.resume)
+
+    # --- training ------------------------------------------------------------
+    def fit(self) -> dict:
+        tc = self.cfg.trainer
+        progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress, console=self.console)
+        running_loss, running_steps, last_log = torch.zeros((), device=self.device), 0, time.perf_counter()
+        start = time.perf_counter()
+        with progress:
+            while self.step < self.total_steps:
+                for batch in self.epoch_batches():
+                    loss = self.train_step(batch)
+                    running_loss += loss.detach()
+                    running_steps += 1
+                    if self.record_losses:
+                        self.step_losses.append(loss.item())
+                    if self.step % tc.log_every == 0 or self.step == self.total_steps:
+                        mean_loss = (running_loss / running_steps).item()
+                        self.check_finite(mean_loss)
+                        now = time.perf_counter()
+                        rate = running_steps * tc.batch_size / (now - last_log)
+                        self.log.write({"step": self.step, "epoch": self.epoch, "loss": mean_loss, "samples_per_second": rate})
+                        progress.update(self.step, mean_loss, rate)
+                        running_loss.zero_()
+                        running_steps, last_log = 0, now
+                    if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
+                        self.evaluate_and_log("val")
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+                        self.check_finite((running_loss / max(running_steps, 1)).item())
+                        self.save()
+                    if self.step >= self.total_steps:
+                        break
+        self.train_seconds += time.perf_counter() - start
+        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
+        if self.checkpoint_dir is not None:
+            self.save()
+        return self.summary(final)
+
+    def epoch_batches(self):
+        """The rest of the current epoch, planned and (for lookahead) prefetched.
+        Advances the epoch counter when the epoch is used up."""
+        if self.batch_in_epoch >= self.train_loader.num_batches:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
+        ahead = [(i, g) for i, g in enumerate(self.embeddings.groups) if getattr(g, "lookahead", False)]
+        with Prefetcher(iter(self.train_loader), ahead, self.embeddings.release) as batches:
+            for batch in batches:
+                yield batch
+            self.window_used.extend(batches.window_used)
+        if self.batch_in_epoch >= self.train_loader.num_batches:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        timer, model = self.timer, self.model
+        batch = self.to_device(batch)
+        with timer.phase("embedding_forward"):
+            for group, plan in zip(self.embeddings.groups, batch.extras[PLANS]):
+                if not getattr(group, "lookahead", False):
+                    group.prepare(plan)
+            pooled = model.embeddings(batch)
+        with timer.phase("mlp_forward"):
+            logits = model.dense_forward(batch.dense, pooled)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        with timer.phase("backward"):
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with timer.phase("sparse_update"):
+            self.embeddings.step()
+            self.embeddings.release(batch)
+        with timer.phase("dense_update"):
+            self.dense_optimizer.step()
+        self.count_dedup(batch)
+        self.step += 1
+        self.batch_in_epoch += 1
+        self.samples += batch.size
+        return loss
+
+    def to_device(self, batch: Batch) -> Batch:
+        if self.device.type == "cpu":
+            return batch
+        moved = batch.to(self.device, non_blocking=True)
+        moved.extras = dict(batch.extras)
+        moved.extras[PLANS] = [p.to(self.device, non_blocking=True) for p in batch.extras[PLANS]]
+        return moved
+
+    def count_dedup(self, batch: Batch) -> None:
+        for plan in batch.extras[PLANS]:
+            self.dedup_totals["ids"] += plan.num_ids
+            self.dedup_totals["unique_ids"] += plan.num_unique
+
+    def check_finite(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            where = f"; the last good checkpoint is in {self.checkpoint_dir}" if self.checkpoint_dir else ""
+            raise UserError(f"loss is {loss} at step {self.step} (try a smaller optimizer.lr){where}")
+
+    # --- evaluation ------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict:
+        self.model.eval()
+        logits, labels = [], []
+        with self.timer.phase("eval"):
+            for batch in self.eval_loaders[split]:
+                batch = self.to_device(batch)
+                logits.append(self.model(batch).float().cpu())
+                labels.append(batch.labels.cpu())
+        self.model.train()
+        return binary_metrics(torch.cat(logits), torch.cat(labels))
+
+    def evaluate_and_log(self, split: str) -> dict:
+        result = self.evaluate(split)
+        record = {"step": self.step, "split": split, **result}
+        self.evals.append(record)
+        self.log.write(record)
+        return result
+
+    # --- checkpoints -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples": self.samples,
+            "model": {k: v for k, v in self.model.state_dict().items()},
+            "dense_optimizer": self.dense_optimizer.state_dict(),
+            "tables": self.embeddings.table_state(),
+            "generators": [g.store.generator.get_state() if g.store.generator is not None else None
+                           for g in self.embeddings.groups],
+            "torch_rng": torch.get_rng_state(),
+            "features": {f.name: f.vocab_size for f in self.manifest.sparse_features},
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def save(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
+
+    def resume(self, resume: str) -> None:
+        if str(resume).lower() == "true":
+            if self.checkpoint_dir is not None and (self.checkpoint_dir / ckpt.LATEST).exists():
+                path = ckpt.find_checkpoint(self.checkpoint_dir)
+            else:
+                outputs = self.run_dir.parent.parent if self.run_dir else Path("outputs")
+                path = ckpt.find_latest_run_checkpoint(outputs)
+        else:
+            path = ckpt.find_checkpoint(resume)
+        state = ckpt.load_checkpoint(path)
+        expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
+        if state["features"] != expected:
+            raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
+        self.model.load_state_dict(state["model"])
+        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        self.embeddings.load_table_state(state["tables"])
+        if len(state["generators"]) == len(self.embeddings.groups):
+            for g, s in zip(self.embeddings.groups, state["generators"]):
+                if s is not None and g.store.generator is not None:
+                    g.store.generator.set_state(s)
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.samples = state["samples"]
+        if self.console is not None:
+            self.console.print(f"resumed from {path} at step {self.step}")
+
+    # --- the report --------------------------------------------------------------
+    def summary(self, final: dict) -> dict:
+        cfg = self.cfg
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        summary = {
+            "steps": self.step,
+            "samples": self.samples,
+            "samples_per_second": self.samples / self.train_seconds if self.train_seconds else None,
+            "train_seconds": self.train_seconds,
+            "final": final,
+            "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
+            "embedding_bytes": self.embeddings.memory(),
+            "peak_host_rss_bytes": peak_rss,
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
+            "device": str(self.device),
+            "placement": cfg.placement.kind,
+            "precision": cfg.precision.kind,
+            "dedup": cfg.dedup.enabled,
+            "cache": self.embeddings.stats(),
+            "dedup_ratio": 1 - self.dedup_totals["unique_ids"] / max(self.dedup_totals["ids"], 1),
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        }
+        if self.window_used:
+            summary["cache"]["window_used_min"] = min(self.window_used)
+            summary["cache"]["window_used_mean"] = sum(self.window_used) / len(self.window_used)
+        if self.run_dir is not None:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        self.log.close()
+        return summary

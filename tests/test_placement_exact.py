@@ -1,0 +1,72 @@
+"""Exact caching: every placement trains to the same losses and weights as `device`."""
+
+import pytest
+import torch
+
+from embedding_harness import VOCAB, build, make_batches, run
+from recsys_cli.embeddings.cache import CacheTooSmall
+
+BATCHES = make_batches(40, batch_size=16)
+SMALL_CACHE = 90  # a batch needs up to ~60 unique rows of 477: constant evictions
+
+
+def assert_same(result, reference, rel=1e-6):
+    losses, tables, dense = result
+    ref_losses, ref_tables, ref_dense = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rel, atol=0)
+    for name in ref_tables:
+        torch.testing.assert_close(tables[name], ref_tables[name], rtol=rel, atol=1e-9)
+    for name in ref_dense:
+        torch.testing.assert_close(dense[name], ref_dense[name], rtol=rel, atol=1e-9)
+
+
+@pytest.fixture(scope="module", params=["sgd", "adagrad"])
+def reference(request):
+    return request.param, run(BATCHES, {"kind": "device"}, optimizer=request.param)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        {"kind": "uvm"},
+        {"kind": "lookahead", "cache_rows": SMALL_CACHE, "window": 1},
+        {"kind": "lookahead", "cache_rows": SMALL_CACHE, "window": 4},
+        {"kind": "lookahead", "cache_rows": 400, "window": 8},
+        {"kind": "cache", "cache_rows": SMALL_CACHE, "policy": "lru"},
+        {"kind": "cache", "cache_rows": SMALL_CACHE, "policy": "lfu"},
+        {"kind": "lookahead", "cache_rows": SMALL_CACHE, "window": 2, "overrides": {"b": "device", "h": "uvm"}},
+        {"kind": "lookahead", "cache_rows": SMALL_CACHE, "device_max_rows": 60},
+    ],
+    ids=["uvm", "la-w1", "la-w4", "la-w8-big", "cache-lru", "cache-lfu", "mixed", "size-rule"],
+)
+def test_placement_matches_device(reference, placement):
+    optimizer, ref = reference
+    result = run(BATCHES, placement, optimizer=optimizer)
+    assert_same(result, ref)
+    # Exact, not merely close: the same arithmetic on the same values.
+    assert result[0] == ref[0]
+
+
+def test_small_cache_really_evicts():
+    model, opt = build({"kind": "lookahead", "cache_rows": SMALL_CACHE, "window": 4})
+    run(BATCHES, model_opt=(model, opt))
+    stats = model.embeddings.stats()
+    assert stats["rows_evicted"] > 200
+    assert stats["rows_written_back"] > 100
+    assert 0 < stats["hit_rate"] < 1
+
+
+def test_cache_smaller_than_one_batch_is_a_clear_error():
+    with pytest.raises(CacheTooSmall, match=r"needs \d+ unique rows .* cache has 20 slots"):
+        run(BATCHES, {"kind": "lookahead", "cache_rows": 20, "window": 2})
+
+
+def test_window_shrinks_instead_of_overflowing():
+    # Room for about one batch: the prefetcher must wait rather than fail.
+    model, opt = build({"kind": "lookahead", "cache_rows": 80, "window": 8})
+    ref = run(BATCHES, {"kind": "device"})
+    assert_same(run(BATCHES, model_opt=(model, opt)), ref)
+
+
+def test_vocab_profile():
+    assert sum(VOCAB) == 477

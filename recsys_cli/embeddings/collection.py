@@ -89,13 +89,23 @@ class EmbeddingCollection(nn.Module):
         return batch
 
     def _plan_dedup(self, batch: Batch) -> Batch:
+        """Plans over the unique bags of an InverseKeyedJaggedTensor: pooling
+        runs once per unique bag, bag_inverse expands it to every sample."""
         ikjt = batch.sparse
         if ikjt.keys != self.features:
             raise ValueError(f"batch features {ikjt.keys} differ from the model's {self.features}")
+        bag_base = ikjt.bag_base()
+        ids_per_key = torch.stack([ikjt.lengths[bag_base[k] : bag_base[k + 1]].sum() for k in range(len(ikjt.keys))])
+        value_chunks = torch.split(ikjt.values, ids_per_key.tolist())
         plans = []
         for keys, group in zip(self._group_keys, self.groups):
-            values, lengths, ids_per_key, bag_inverse = ikjt.select_for_lookup(keys.tolist())
-            plans.append(plan_lookup(values, lengths, ids_per_key, group.feature_row_offset, bag_inverse))
+            keys = keys.tolist()
+            values = torch.cat([value_chunks[k] for k in keys])
+            lengths = torch.cat([ikjt.lengths[bag_base[k] : bag_base[k + 1]] for k in keys])
+            counts = torch.tensor([ikjt.unique_counts[k] for k in keys])
+            first_bag = torch.cumsum(counts, 0) - counts  # the group's bags are numbered key by key
+            bag_inverse = ikjt.inverse[keys] + first_bag.view(-1, 1)
+            plans.append(plan_lookup(values, lengths, ids_per_key[keys], group.feature_row_offset, bag_inverse))
         batch.extras[PLANS] = plans
         return batch
 

@@ -24,6 +24,7 @@ class RowStore:
     ) -> None:
         """weights: fp32 [rows, dim] initial values; state: fp32 [rows, 0|1]."""
         self.num_rows, self.dim = weights.shape
+        self.generator = generator  # stochastic rounding; its state is checkpointed
         self.rows: QuantizedRows = make_rows(weights, precision, rounding, generator)
         self.state = state
         self.device = weights.device

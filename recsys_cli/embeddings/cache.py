@@ -37,10 +37,11 @@ import torch
 
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.tables import TableGroup
+from recsys_cli.errors import UserError
 
 
-class CacheTooSmall(RuntimeError):
-    pass
+class CacheTooSmall(UserError):
+    """The cache cannot hold the unique rows of one batch."""
 
 
 class PrefetchStopped(RuntimeError):
@@ -73,7 +74,9 @@ class CachedGroup(TableGroup):
         self.pins = torch.zeros(cache_slots, dtype=torch.int32)
         self.dirty = torch.zeros(cache_slots, dtype=torch.bool)
         self.score = torch.zeros(cache_slots, dtype=torch.int64)  # lru: last use clock; lfu: uses
-        self.free: list[int] = list(range(cache_slots - 1, -1, -1))
+        # A stack of free slots: the top `num_free` entries.
+        self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int64)
+        self.num_free = cache_slots
         # LFU admission needs a count for rows that are not resident.
         self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if not admit_all else None
         self.clock = 0
@@ -91,7 +94,7 @@ class CachedGroup(TableGroup):
         unique = plan.unique
         if self.admit_all and unique.numel() > self.capacity:
             raise CacheTooSmall(
-                f"a batch needs {unique.numel()} unique rows of tables {[t.name for t in self.tables]} "
+                f"a batch needs {unique.numel()} unique rows of {len(self.tables)} cached tables "
                 f"but the cache has {self.capacity} slots: raise placement.cache_rows / cache_ratio "
                 f"or lower trainer.batch_size"
             )
@@ -108,21 +111,23 @@ class CachedGroup(TableGroup):
             need = int(admitted.sum())
             if not self.admit_all:
                 # Rows that find no slot now stay in the store this step.
-                room = len(self.free) + int(((self.pins == 0) & (self.row_of_slot >= 0)).sum())
+                room = self.num_free + int(((self.pins == 0) & (self.row_of_slot >= 0)).sum())
                 if need > room:
                     admitted[torch.nonzero(admitted).flatten()[room:]] = False
                     need = room
-            while len(self.free) < need:
-                if not self._evict(need - len(self.free)):
+            while self.num_free < need:
+                if not self._evict(need - self.num_free):
                     if self.inflight == 0:
                         raise CacheTooSmall(
-                            f"cache of {self.capacity} slots cannot hold {unique.numel()} unique rows"
+                            f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique "
+                            "rows: raise placement.cache_rows / cache_ratio or lower trainer.batch_size"
                         )
                     if self.stop.is_set():
                         self.pins[slots[hit]] -= 1
                         raise PrefetchStopped()
                     self.cond.wait(timeout=0.1)
-            new_slots = torch.tensor([self.free.pop() for _ in range(need)], dtype=torch.int64)
+            self.num_free -= need
+            new_slots = self.free_slots[self.num_free : self.num_free + need].clone()
             load_rows = misses[admitted]
             self._load(load_rows, new_slots)
             miss_slots = torch.full((misses.numel(),), -1, dtype=torch.int64)
@@ -151,7 +156,7 @@ class CachedGroup(TableGroup):
         """LFU admission for rows that may stay in low precision: free slots
         go to the most used misses; beyond them a miss must be used at least
         as often as the least used evictable row."""
-        if len(self.free) >= misses.numel():
+        if self.num_free >= misses.numel():
             return torch.ones(misses.numel(), dtype=torch.bool)
         uses = self.row_uses[misses]
         candidates = (self.pins == 0) & (self.row_of_slot >= 0)
@@ -159,7 +164,7 @@ class CachedGroup(TableGroup):
             admitted = uses >= self.row_uses[self.row_of_slot[candidates]].min()
         else:
             admitted = torch.zeros(misses.numel(), dtype=torch.bool)
-        admitted[torch.argsort(uses, descending=True, stable=True)[: len(self.free)]] = True
+        admitted[torch.argsort(uses, descending=True, stable=True)[: self.num_free]] = True
         return admitted
 
     def _evict(self, at_least: int) -> bool:
@@ -177,7 +182,8 @@ class CachedGroup(TableGroup):
         self.slot_of_row[rows] = -1
         self.row_of_slot[victims] = -1
         self.score[victims] = 0
-        self.free.extend(victims.tolist())
+        self.free_slots[self.num_free : self.num_free + count] = victims
+        self.num_free += count
         self.stats_["rows_evicted"] += count
         return True
 
@@ -297,7 +303,8 @@ class CachedGroup(TableGroup):
             self.row_of_slot.fill_(-1)
             self.dirty.zero_()
             self.score.zero_()
-            self.free = list(range(self.capacity - 1, -1, -1))
+            self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64)
+            self.num_free = self.capacity
 
     def memory(self) -> dict[str, int]:
         cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4

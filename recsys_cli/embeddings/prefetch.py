@@ -81,7 +81,8 @@ class Prefetcher:
                 return
             if isinstance(item, BaseException):
                 raise item
-            self.window_used.append(self._queue.qsize() + 1)
+            # Batches pinned right now, this one included: the window in use.
+            self.window_used.append(min(g.inflight for g in self.groups))
             self._slots.release()
             yield item
 

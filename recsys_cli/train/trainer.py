@@ -139,7 +139,12 @@ class Trainer:
         start = time.perf_counter()
         with progress:
             while self.step < self.total_steps:
-                for batch in self.epoch_batches():
+                batches = self.epoch_batches()
+                while True:
+                    with self.timer.phase("data_wait"):
+                        batch = next(batches, None)
+                    if batch is None:
+                        break
                     loss = self.train_step(batch)
                     running_loss += loss.detach()
                     running_steps += 1
@@ -160,6 +165,7 @@ class Trainer:
                         self.check_finite((running_loss / max(running_steps, 1)).item())
                         self.save()
                     if self.step >= self.total_steps:
+                        batches.close()
                         break
         self.train_seconds += time.perf_counter() - start
         final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
@@ -175,9 +181,10 @@ class Trainer:
         self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
         ahead = [(i, g) for i, g in enumerate(self.embeddings.groups) if getattr(g, "lookahead", False)]
         with Prefetcher(iter(self.train_loader), ahead, self.embeddings.release) as batches:
-            for batch in batches:
-                yield batch
-            self.window_used.extend(batches.window_used)
+            try:
+                yield from batches
+            finally:  # also when the caller stops early (max_steps)
+                self.window_used.extend(batches.window_used)
         if self.batch_in_epoch >= self.train_loader.num_batches:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 

@@ -1,0 +1,197 @@
+"""The trainer end to end: runs, metrics files, checkpoints, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recsys_cli.config import TrainConfig
+from recsys_cli.errors import UserError
+from recsys_cli.train.metrics import roc_auc
+from recsys_cli.train.trainer import Trainer
+
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recsys-cache")
+
+
+def config(cache_dir, **overrides) -> TrainConfig:
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.dataset.cache_dir = str(cache_dir)
+    cfg.dataset.synthetic.rows = 20000
+    cfg.dataset.synthetic.cardinality_scale = 0.0005
+    cfg.trainer.progress = False
+    cfg.trainer.batch_size = 128
+    cfg.trainer.log_every = 10
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
+    return cfg
+
+
+def train(cfg, run_dir=None) -> Trainer:
+    trainer = Trainer(cfg, run_dir=run_dir)
+    trainer.record_losses = True
+    trainer.fit()
+    return trainer
+
+
+def recsys(*args, cwd, env_extra=None, **kw):
+    env = {**os.environ, "RECSYS_CACHE": str(cwd / "cache"), **(env_extra or {})}
+    return subprocess.run([RECSYS, *args], cwd=cwd, env=env, capture_output=True, text=True, **kw)
+
+
+def test_roc_auc_matches_pairwise_reference():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 20, (300,), generator=gen).float()  # many ties
+    labels = (torch.rand(300, generator=gen) < 0.4).float()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    wins = (pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum()
+    assert roc_auc(scores, labels) == pytest.approx((wins / (len(pos) * len(neg))).item(), abs=1e-12)
+    assert roc_auc(labels, labels) == 1.0
+
+
+def test_cli_train_writes_metrics_and_summary(tmp_path):
+    result = recsys("train", *SMALL, "trainer.max_steps=60", "trainer.eval_every=30", "trainer.log_every=20",
+                    "trainer.progress=false", "hydra.run.dir=run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "val AUC" in result.stdout and "samples/s" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "auc" in r]
+    assert [r["step"] for r in steps] == [20, 40, 60]
+    assert all(r["samples_per_second"] > 0 for r in steps)
+    assert [(r["step"], r["split"]) for r in evals] == [(30, "val"), (60, "val"), (60, "test")]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["samples"] == 60 * 256
+    assert set(summary["phase_seconds"]) >= {"data_wait", "embedding_forward", "mlp_forward", "backward",
+                                             "sparse_update", "dense_update", "eval"}
+    assert summary["embedding_bytes"]["device"] > 0
+    assert summary["config"]["trainer"]["max_steps"] == 60
+    assert (tmp_path / "run" / "checkpoints" / "latest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.batchsize=3", "batchsize"),
+        ("+placement=lookahead placement.polcy=lru", "polcy"),
+        ("+placement=lookahead placement.policy=fifo", "placement.policy"),
+        ("+placement=nowhere", "nowhere"),
+        ("trainer.batch_size=many", "batch_size"),
+        ("dataset=criteo_kaggle", "dataset.path"),
+        ("dataset.path=/does/not/exist", "/does/not/exist"),
+    ],
+)
+def test_bad_config_fails_at_start_naming_the_key(tmp_path, override, message):
+    result = recsys("train", *override.split(), "hydra.run.dir=run", cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+
+
+def test_same_seed_same_results(cache_dir):
+    a = train(config(cache_dir, trainer__max_steps=40))
+    b = train(config(cache_dir, trainer__max_steps=40))
+    assert a.step_losses == b.step_losses
+    c = train(config(cache_dir, trainer__max_steps=40, trainer__seed=1))
+    assert c.step_losses != a.step_losses
+
+
+def test_learns_the_synthetic_task(cache_dir):
+    trainer = train(config(cache_dir, trainer__epochs=2))
+    assert trainer.evals[-2]["auc"] > 0.7  # val; the hidden model's own AUC is about 0.8
+
+
+def state_of(trainer: Trainer) -> dict:
+    return {"model": trainer.model.state_dict(), "tables": trainer.embeddings.table_state()}
+
+
+def assert_states_equal(a, b):
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for name, tensors in a["tables"].items():
+        for k, v in tensors.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, b["tables"][name][k]), (name, k)
+
+
+@pytest.mark.parametrize("first, second", [("device", "device"), ("lookahead", "device"), ("device", "cache")])
+def test_resume_ends_where_an_uninterrupted_run_ends(cache_dir, tmp_path, first, second):
+    steps = dict(trainer__epochs=2, trainer__max_steps=200, optimizer__name="adagrad", optimizer__lr=0.05)
+    place = lambda kind: dict(placement__kind=kind, placement__cache_rows=3000)  # noqa: E731
+    full = train(config(cache_dir, **steps, **place("device")))
+    # 125 steps per epoch: stop inside the second epoch, then resume elsewhere.
+    part = train(config(cache_dir, **{**steps, "trainer__max_steps": 150}, **place(first),
+                        trainer__checkpoint_dir=str(tmp_path / "ck")))
+    assert part.step == 150
+    resumed = train(config(cache_dir, **steps, **place(second), trainer__checkpoint_dir=str(tmp_path / "ck"),
+                           trainer__resume="true"))
+    assert resumed.step == 200
+    assert resumed.step_losses == full.step_losses[150:]
+    assert_states_equal(state_of(resumed), state_of(full))
+    assert resumed.evals[-2] == full.evals[-2]
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    args = [*SMALL, "trainer.max_steps=1200", "trainer.epochs=3", "trainer.batch_size=32", "trainer.checkpoint_every=100",
+            "trainer.progress=false", "+placement=lookahead", "placement.cache_ratio=0.5"]
+    reference = recsys("train", *args, "hydra.run.dir=ref", cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([RECSYS, "train", *args, "hydra.run.dir=killed"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = tmp_path / "killed" / "checkpoints" / "latest.json"
+    deadline = time.time() + 120
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < 1200, "the run finished before it could be killed"
+    resumed = recsys("train", *args, "trainer.resume=true", "hydra.run.dir=resumed",
+                     "trainer.checkpoint_dir=killed/checkpoints", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    ref = torch.load(tmp_path / "ref" / "checkpoints" / "step-00001200.pt", weights_only=False)
+    end = torch.load(tmp_path / "killed" / "checkpoints" / "step-00001200.pt", weights_only=False)
+    assert_states_equal(ref, end)
+    ref_final = json.loads((tmp_path / "ref" / "summary.json").read_text())["final"]
+    end_final = json.loads((tmp_path / "resumed" / "summary.json").read_text())["final"]
+    assert ref_final == end_final
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(cache_dir, tmp_path):
+    cfg = config(cache_dir, optimizer__lr=1e12, trainer__checkpoint_every=1, trainer__log_every=1,
+                 trainer__max_steps=50, trainer__checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(UserError, match=r"loss is nan at step \d+"):
+        train(cfg)
+    saved = torch.load(next((tmp_path / "ck").glob("step-*.pt")), weights_only=False)
+    assert all(torch.isfinite(v).all() for v in saved["model"].values())
+
+
+def test_manifest_features_must_match_the_model(cache_dir):
+    with pytest.raises(UserError, match="expects sparse features"):
+        Trainer(config(cache_dir, model__features=["C1", "C2"]))
+
+
+def test_lookahead_reports_cache_and_window(cache_dir, tmp_path):
+    trainer = Trainer(config(cache_dir, placement__kind="lookahead", placement__cache_ratio=0.3,
+                             placement__window=4, trainer__max_steps=50), run_dir=tmp_path)
+    summary = trainer.fit()
+    cache = summary["cache"]
+    assert cache["hits"] + cache["misses"] > 0 and 0 < cache["hit_rate"] < 1
+    assert 1 <= cache["window_used_min"] <= cache["window_used_mean"] <= 4
+    assert cache["bytes_to_device"] > 0 and summary["embedding_bytes"]["host"] > 0
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["cache"]["rows_loaded"] == cache["rows_loaded"]

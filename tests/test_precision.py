@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from embedding_harness import FEATURES, build, make_batches, run
+from embedding_harness import FEATURES, VOCAB, build, make_batches, run
 from recsys_cli.embeddings.quant import dequantize_rows, make_rows, quantize_rows, round_to_fp16
 
 
@@ -122,10 +122,15 @@ def test_quantized_tables_checkpoint_bit_exact(precision):
                 assert torch.equal(value, again[name][key]), (name, key)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_memory_is_measured_from_allocated_tensors(precision):
+@pytest.mark.parametrize("precision, row_bytes", [("fp32", 32), ("fp16", 16), ("int8", 8 + 4), ("int4", 4 + 4)])
+def test_memory_is_measured_from_allocated_tensors(precision, row_bytes):
     model, _ = build({"kind": "uvm"}, {"kind": precision, "cache_ratio": 0.05})
     mem = model.embeddings.memory()
-    fp32, _ = build({"kind": "uvm"})
-    assert mem["host"] < fp32.embeddings.memory()["host"]
-    assert mem["device"] > 0  # the fp32 cache
+    rows = sum(VOCAB)
+    # dim 8: codes (8, 4 or 2 x 8 bytes) plus an fp16 scale and bias per row.
+    assert mem["table"] == rows * row_bytes
+    if precision == "fp32":
+        assert mem["cache"] == 0 and mem["device"] == 0
+    else:
+        assert mem["cache"] == round(rows * 0.05) * 8 * 4  # fp32 cache slots, on the device
+        assert mem["device"] == mem["cache"] and mem["host"] == mem["table"] + mem["index"]

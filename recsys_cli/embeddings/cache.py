@@ -306,14 +306,13 @@ class CachedGroup(TableGroup):
             self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64)
             self.num_free = self.capacity
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> list[tuple[str, str, int]]:
         cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4
-        maps = sum(t.numel() * t.element_size() for t in (self.slot_of_row, self.row_of_slot, self.pins, self.dirty, self.score))
+        index = [self.slot_of_row, self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots]
         if self.row_uses is not None:
-            maps += self.row_uses.numel() * 4
-        out = {"device": cache, "host": maps}
-        out[self.store_tier] += self.store.nbytes()
-        return out
+            index.append(self.row_uses)
+        index_bytes = sum(t.numel() * t.element_size() for t in index)
+        return [(self.store_tier, "table", self.store.nbytes()), ("device", "cache", cache), ("host", "index", index_bytes)]
 
     def stats(self) -> dict:
         s = dict(self.stats_)

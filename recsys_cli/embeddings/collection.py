@@ -158,10 +158,14 @@ class EmbeddingCollection(nn.Module):
             g.load_table_state(tables)
 
     def memory(self) -> dict[str, int]:
-        total = {"device": 0, "host": 0}
+        """Bytes allocated by tier (device, host) and by what they hold:
+        tables (rows in their precision plus optimizer state), fp32 cache
+        slots, and the cache's index (row-to-slot map, pins, victim scores)."""
+        total = {"device": 0, "host": 0, "table": 0, "cache": 0, "index": 0}
         for g in self.groups:
-            for tier, n in g.memory().items():
+            for tier, kind, n in g.memory():
                 total[tier] += n
+                total[kind] += n
         return total
 
     def stats(self) -> dict:

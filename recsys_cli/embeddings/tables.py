@@ -119,9 +119,9 @@ class TableGroup:
     def invalidate(self) -> None:
         """Forget cached rows after the store was overwritten."""
 
-    def memory(self) -> dict[str, int]:
-        """Bytes actually allocated, by tier ("device" or "host")."""
-        return {self.store_tier: self.store.nbytes()}
+    def memory(self) -> list[tuple[str, str, int]]:
+        """Bytes actually allocated: (tier "device"|"host", what "table"|"cache"|"index", bytes)."""
+        return [(self.store_tier, "table", self.store.nbytes())]
 
     def stats(self) -> dict:
         return {}

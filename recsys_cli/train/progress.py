@@ -52,8 +52,9 @@ def summary_table(summary: dict) -> Table:
         add(f"{split} AUC / logloss / accuracy", f"{m['auc']:.4f} / {m['logloss']:.4f} / {m['accuracy']:.4f}")
     for phase, seconds in summary["phase_seconds"].items():
         add(f"seconds: {phase}", f"{seconds:.2f}")
-    for tier, n in summary["embedding_bytes"].items():
-        add(f"embedding bytes: {tier}", _bytes(n))
+    mem = summary["embedding_bytes"]
+    add("embedding bytes: device / host", f"{_bytes(mem['device'])} / {_bytes(mem['host'])}")
+    add("  of which tables / cache / cache index", f"{_bytes(mem['table'])} / {_bytes(mem['cache'])} / {_bytes(mem['index'])}")
     add("peak host RSS", _bytes(summary["peak_host_rss_bytes"]))
     if summary.get("peak_device_bytes") is not None:
         add("peak device memory", _bytes(summary["peak_device_bytes"]))

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
+from recsys_cli.data.dedup import InverseKeyedJaggedTensor
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
 
 @dataclass
 class Batch:
     dense: torch.Tensor  # float32 [B, 13]
-    sparse: KeyedJaggedTensor  # ids local to each feature's table
+    sparse: KeyedJaggedTensor | InverseKeyedJaggedTensor  # ids local to each feature's table (IKJT when dedup is on)
     labels: torch.Tensor  # float32 [B]
     session: torch.Tensor | None = None  # int64 [B] when the dataset has sessions
     # Work done ahead of the trainer (embedding lookup plans, cache slots),

@@ -1,0 +1,305 @@
+"""Deduplicated sparse batches (RecD's inverse-keyed jagged tensors).
+
+Samples of one session repeat most feature values. An ``InverseKeyedJaggedTensor``
+(IKJT) stores, per key, only the distinct bags of the batch (for a one-hot key:
+the distinct ids; for a multi-hot key: the distinct whole id lists, order
+inside a bag significant) plus, per sample, which of them it uses. Lookups,
+pooling and gradient updates can then run once per distinct bag and be
+expanded with ``inverse`` afterwards.
+
+Layout, for F keys and batch size B (``stride``)::
+
+    unique_counts  list[int] [F]        U_f = number of distinct bags of key f
+    lengths        int64 [sum(U_f)]     length of every distinct bag, key-major:
+                                        the U_0 bags of key 0, then the U_1 of key 1, ...
+    values         int64 [sum(lengths)] their ids, in the same order
+    inverse        int64 [F, B]         sample b of key f uses bag inverse[f, b] of
+                                        key f (0 <= inverse[f, b] < U_f, local to the key)
+
+So it is a KeyedJaggedTensor whose stride differs per key (``U_f`` instead of B):
+the bags of key f are entries ``sum(U_<f) .. sum(U_<=f)`` of ``lengths``.
+Bags of a one-hot key are sorted by id; bags of a multi-hot key are in order of
+first occurrence in the batch. An empty batch (B = 0) has U_f = 0; a key whose
+bags are all empty has one distinct bag, the empty one.
+
+``dedup_kjt`` is exact: one-hot keys and keys whose bags all have one length L
+use ``torch.unique`` on the ids (rows of L ids); other keys group bags by a
+64-bit polynomial hash and then check every sample element-wise against the
+representative of its group, falling back to an exact row-wise unique of the
+padded bags if a collision ever merged two different bags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recsys_cli.data.jagged import KeyedJaggedTensor
+
+__all__ = ["InverseKeyedJaggedTensor", "dedup_kjt"]
+
+# Two primes below 2**31: products of residues fit in int64 without overflow.
+_P1 = 2147483647
+_P2 = 2147483629
+_G1 = 1_103_515_245 % _P1  # position bases of the two polynomial hashes
+_G2 = 1_664_525_017 % _P2
+_L1 = 912_367_491  # weight of the bag length
+_L2 = 2_017_142_269 % _P2
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.numel() + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(x, 0, out=out[1:])
+    return out
+
+
+def _gather_bags(
+    values: torch.Tensor, offsets: torch.Tensor, bags: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Concatenate bags[i] (start offsets[bags[i]], length lengths[i]) of a jagged tensor."""
+    total = int(lengths.sum())
+    if total == 0:
+        return values.new_empty(0)
+    out_start = _exclusive_cumsum(lengths)[:-1]
+    idx = torch.repeat_interleave(offsets[bags] - out_start, lengths, output_size=total)
+    idx += torch.arange(total, dtype=torch.int64, device=values.device)
+    return values[idx]
+
+
+def _pow_mod(base: int, exps: torch.Tensor, p: int) -> torch.Tensor:
+    """base ** exps mod p, element-wise (exps >= 0, base < p < 2**31)."""
+    result = torch.ones_like(exps)
+    b = torch.full_like(exps, base % p)
+    e = exps.clone()
+    while bool((e > 0).any()):
+        odd = (e & 1).bool()
+        result = torch.where(odd, (result * b) % p, result)
+        b = (b * b) % p
+        e >>= 1
+    return result
+
+
+_POWERS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _powers(p: int, g: int, n: int, device: torch.device) -> torch.Tensor:
+    """g ** [0, n) mod p (cached per prime and device, grown by doubling)."""
+    key = (p, str(device))
+    table = _POWERS.get(key)
+    if table is None or table.numel() < n:
+        size = max(64, 1 << max(n - 1, 1).bit_length())
+        table = _pow_mod(g, torch.arange(size, dtype=torch.int64, device=device), p)
+        _POWERS[key] = table
+    return table
+
+
+@dataclass
+class InverseKeyedJaggedTensor:
+    keys: list[str]
+    values: torch.Tensor  # int64 [sum(lengths)]: ids of the distinct bags, key-major
+    lengths: torch.Tensor  # int64 [sum(unique_counts)]: length of each distinct bag
+    unique_counts: list[int]  # [F]: distinct bags per key
+    inverse: torch.Tensor  # int64 [F, B]: bag of sample b of key f, local to key f
+    stride: int  # B
+
+    def __post_init__(self) -> None:
+        if len(self.unique_counts) != len(self.keys):
+            raise ValueError(f"{len(self.unique_counts)} unique counts for {len(self.keys)} keys")
+        if self.lengths.numel() != sum(self.unique_counts):
+            raise ValueError(
+                f"lengths has {self.lengths.numel()} entries, unique_counts sum to {sum(self.unique_counts)}"
+            )
+        if tuple(self.inverse.shape) != (len(self.keys), self.stride):
+            raise ValueError(
+                f"inverse has shape {tuple(self.inverse.shape)}, expected ({len(self.keys)}, {self.stride})"
+            )
+
+    # -- layout helpers -------------------------------------------------
+    def bag_base(self) -> list[int]:
+        """Index in ``lengths`` of the first distinct bag of each key, plus the end: [F + 1]."""
+        out = [0]
+        for c in self.unique_counts:
+            out.append(out[-1] + c)
+        return out
+
+    def offsets(self) -> torch.Tensor:
+        """Start of every distinct bag in ``values``, plus the end: [sum(unique_counts) + 1]."""
+        return _exclusive_cumsum(self.lengths)
+
+    def global_inverse(self) -> torch.Tensor:
+        """int64 [F, B]: for each sample, the index of its bag in ``lengths`` (all keys)."""
+        base = torch.tensor(self.bag_base()[:-1], dtype=torch.int64, device=self.inverse.device)
+        return self.inverse + base.view(-1, 1)
+
+    def bags(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, lengths) of the distinct bags of one key."""
+        f = self.keys.index(key)
+        base = self.bag_base()
+        offsets = self.offsets()
+        lo, hi = int(offsets[base[f]]), int(offsets[base[f + 1]])
+        return self.values[lo:hi], self.lengths[base[f] : base[f + 1]]
+
+    # -- conversions ----------------------------------------------------
+    def to_kjt(self) -> KeyedJaggedTensor:
+        """Expand back to the plain batch (exact inverse of ``dedup_kjt``)."""
+        flat = self.global_inverse().reshape(-1)
+        lengths = self.lengths[flat]
+        values = _gather_bags(self.values, self.offsets(), flat, lengths)
+        return KeyedJaggedTensor(keys=list(self.keys), values=values, lengths=lengths, stride=self.stride)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "InverseKeyedJaggedTensor":
+        return InverseKeyedJaggedTensor(
+            keys=self.keys,
+            values=self.values.to(device, non_blocking=non_blocking),
+            lengths=self.lengths.to(device, non_blocking=non_blocking),
+            unique_counts=self.unique_counts,
+            inverse=self.inverse.to(device, non_blocking=non_blocking),
+            stride=self.stride,
+        )
+
+    def pin_memory(self) -> "InverseKeyedJaggedTensor":
+        return InverseKeyedJaggedTensor(
+            self.keys,
+            self.values.pin_memory(),
+            self.lengths.pin_memory(),
+            self.unique_counts,
+            self.inverse.pin_memory(),
+            self.stride,
+        )
+
+    # -- statistics -----------------------------------------------------
+    def _value_counts(self) -> tuple[list[int], list[int]]:
+        F = len(self.keys)
+        if F == 0:
+            return [], []
+        total = self.lengths[self.global_inverse().reshape(-1)].view(F, self.stride).sum(1).tolist()
+        base = self.bag_base()
+        cum = _exclusive_cumsum(self.lengths).tolist()
+        unique = [cum[base[f + 1]] - cum[base[f]] for f in range(F)]
+        return unique, total
+
+    def duplication_ratio(self) -> dict[str, float]:
+        """Per key: 1 - distinct-bag ids / batch ids (0.0 for a key with no ids)."""
+        unique, total = self._value_counts()
+        return {k: (1.0 - u / t if t else 0.0) for k, u, t in zip(self.keys, unique, total)}
+
+    def total_duplication_ratio(self) -> float:
+        """1 - distinct-bag ids / batch ids over all keys."""
+        unique, total = self._value_counts()
+        t = sum(total)
+        return 1.0 - sum(unique) / t if t else 0.0
+
+
+def _unique_bags_exact(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Inverse of the distinct bags, via unique rows of the padded bags (length first)."""
+    B = lengths.numel()
+    width = int(lengths.max()) if B else 0
+    mat = torch.zeros(B, width + 1, dtype=torch.int64, device=values.device)
+    mat[:, 0] = lengths
+    if values.numel():
+        bag_of = torch.repeat_interleave(torch.arange(B, device=values.device), lengths)
+        pos = torch.arange(values.numel(), device=values.device) - _exclusive_cumsum(lengths)[:-1][bag_of]
+        mat[bag_of, pos + 1] = values
+    _, inverse = torch.unique(mat, dim=0, return_inverse=True)
+    return inverse
+
+
+def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct bags of one key with variable bag lengths: (inverse [B], rep [U]).
+
+    ``rep[u]`` is the first sample holding bag u; bags are numbered by first occurrence.
+    """
+    B = lengths.numel()
+    device = values.device
+    offsets = _exclusive_cumsum(lengths)
+    n = values.numel()
+    bag_of = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=n)
+    pos = torch.arange(n, device=device) - offsets[:-1][bag_of]
+    keys = []
+    for p, g, lw in ((_P1, _G1, _L1), (_P2, _G2, _L2)):
+        terms = (torch.remainder(values, p) * _powers(p, g, int(lengths.max()), device)[pos]) % p
+        h = torch.zeros(B, dtype=torch.int64, device=device).index_add_(0, bag_of, terms)
+        keys.append((h + lengths * lw) % p)
+    key = keys[0] * _P2 + keys[1]
+    _, inverse = torch.unique(key, return_inverse=True)
+    inverse = _first_occurrence_order(inverse)
+    rep = _representatives(inverse)
+    # Verify: every sample equals the representative of its group, element-wise.
+    mine = rep[inverse]
+    ok = bool(torch.equal(lengths[mine], lengths))
+    if ok and n:
+        ok = bool(torch.equal(values[offsets[:-1][mine][bag_of] + pos], values))
+    if not ok:  # a hash collision merged different bags: exact path
+        inverse = _first_occurrence_order(_unique_bags_exact(values, lengths))
+        rep = _representatives(inverse)
+    return inverse, rep
+
+
+def _representatives(inverse: torch.Tensor) -> torch.Tensor:
+    """First sample of each group 0..U-1 (groups numbered by first occurrence)."""
+    U = int(inverse.max()) + 1 if inverse.numel() else 0
+    B = inverse.numel()
+    rep = torch.full((U,), B, dtype=torch.int64, device=inverse.device)
+    return rep.scatter_reduce_(0, inverse, torch.arange(B, device=inverse.device), reduce="amin")
+
+
+def _first_occurrence_order(inverse: torch.Tensor) -> torch.Tensor:
+    """Renumber groups so that group ids increase with their first sample."""
+    if inverse.numel() == 0:
+        return inverse
+    first = _representatives(inverse)
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return rank[inverse]
+
+
+def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
+    """Deduplicate every key of a batch (exact; vectorised per key)."""
+    F, B = len(kjt.keys), kjt.stride
+    device = kjt.values.device
+    lengths = kjt.lengths.view(F, B)
+    if B == 0 or F == 0:
+        return InverseKeyedJaggedTensor(
+            keys=list(kjt.keys),
+            values=kjt.values.new_empty(0),
+            lengths=kjt.lengths.new_empty(0),
+            unique_counts=[0] * F,
+            inverse=torch.zeros(F, B, dtype=torch.int64, device=device),
+            stride=B,
+        )
+    key_off = _exclusive_cumsum(lengths.sum(1)).tolist()
+    lmin, lmax = (t.tolist() for t in lengths.aminmax(dim=1))
+    out_values, out_lengths, counts, inverses = [], [], [], []
+    for f in range(F):
+        vals = kjt.values[key_off[f] : key_off[f + 1]]
+        lens = lengths[f]
+        if lmin[f] == lmax[f] == 0:  # every bag empty: one distinct (empty) bag
+            u_vals = vals
+            u_lens = torch.zeros(1, dtype=torch.int64, device=device)
+            inv = torch.zeros(B, dtype=torch.int64, device=device)
+        elif lmin[f] == lmax[f] == 1:  # one-hot
+            u_vals, inv = torch.unique(vals, return_inverse=True)
+            u_lens = torch.ones(u_vals.numel(), dtype=torch.int64, device=device)
+        elif lmin[f] == lmax[f]:  # fixed length L: distinct rows of a [B, L] matrix
+            L = lmin[f]
+            rows, inv = torch.unique(vals.view(B, L), dim=0, return_inverse=True)
+            u_vals = rows.reshape(-1)
+            u_lens = torch.full((rows.shape[0],), L, dtype=torch.int64, device=device)
+        else:
+            inv, rep = _unique_bags(vals, lens)
+            u_lens = lens[rep]
+            u_vals = _gather_bags(vals, _exclusive_cumsum(lens), rep, u_lens)
+        out_values.append(u_vals)
+        out_lengths.append(u_lens)
+        counts.append(u_lens.numel())
+        inverses.append(inv)
+    return InverseKeyedJaggedTensor(
+        keys=list(kjt.keys),
+        values=torch.cat(out_values),
+        lengths=torch.cat(out_lengths),
+        unique_counts=counts,
+        inverse=torch.stack(inverses),
+        stride=B,
+    )

@@ -77,8 +77,9 @@ class CachedGroup(TableGroup):
         # A stack of free slots: the top `num_free` entries.
         self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int64)
         self.num_free = cache_slots
-        # LFU admission needs a count for rows that are not resident.
-        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if not admit_all else None
+        # LFU admission needs a count for rows that are not resident (LRU
+        # admits every miss it has room for).
+        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if not admit_all and policy == "lfu" else None
         self.clock = 0
         self.inflight = 0  # plans pinned and not yet released
         self.cond = threading.Condition()

@@ -71,6 +71,10 @@ class PrecisionConfig:
 @dataclass
 class DedupConfig:
     enabled: bool = False
+    # Shuffle whole sessions instead of samples, so a batch holds whole
+    # sessions; unset: on exactly when dedup is (set it to compare on vs off
+    # on the same batches).
+    keep_sessions: Optional[bool] = None
 
 
 @dataclass
@@ -101,6 +105,9 @@ class TrainerConfig:
     nproc: int = 1
     embedding_sync: str = "grad"  # grad | cache_avg
     sync_every: int = 1
+    # Seconds a collective may wait for its peers before the run fails
+    # (multi-process runs: a rank that hangs cannot hang the others forever).
+    dist_timeout: float = 120.0
     progress: bool = True
     loader_queue_depth: int = 8
 
@@ -151,6 +158,8 @@ def validate(cfg: Any) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")
+    if cfg.trainer.dist_timeout <= 0:
+        raise UserError(f"trainer.dist_timeout must be > 0 seconds, got {cfg.trainer.dist_timeout}")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
     if not 0 < cfg.placement.cache_ratio <= 1:

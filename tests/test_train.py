@@ -195,3 +195,22 @@ def test_lookahead_reports_cache_and_window(cache_dir, tmp_path):
     assert cache["bytes_to_device"] > 0 and summary["embedding_bytes"]["host"] > 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["cache"]["rows_loaded"] == cache["rows_loaded"]
+
+
+@pytest.mark.parametrize("placement", ["device", "lookahead"])
+def test_dedup_on_equals_off_on_session_data(cache_dir, placement):
+    common = dict(dataset__name="synthetic_sessions", dataset__synthetic__sessions=True,
+                  dataset__synthetic__multi_hot_features=2, dataset__synthetic__multi_hot_max_length=30,
+                  dedup__keep_sessions=True, trainer__max_steps=60, placement__kind=placement,
+                  placement__cache_ratio=0.5)
+    off = train(config(cache_dir, **common, dedup__enabled=False))
+    on = train(config(cache_dir, **common, dedup__enabled=True))
+    torch.testing.assert_close(torch.tensor(on.step_losses), torch.tensor(off.step_losses), rtol=1e-6, atol=0)
+    for name, tensors in off.embeddings.table_state().items():
+        ref = tensors["weights"]
+        torch.testing.assert_close(on.embeddings.table_state()[name]["weights"], ref, rtol=1e-6,
+                                   atol=1e-6 * float(ref.abs().max()))
+    dup_on, dup_off = on.duplication(), off.duplication()
+    assert dup_on["duplicated_ids"] == pytest.approx(dup_off["duplicated_ids"])  # same batches
+    assert dup_on["duplicated_ids"] > 0.5 and dup_on["lookups_saved_by_dedup"] > 0.3
+    assert dup_off["lookups_saved_by_dedup"] == 0.0

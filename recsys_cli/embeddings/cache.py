@@ -88,6 +88,12 @@ class CachedGroup(TableGroup):
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
         self.side_stream = torch.cuda.Stream(dev) if (dev.type == "cuda" and lookahead) else None
         self.last_release = None
+        # Distributed cache_avg (train/embedding_sync.py): slots that must not be
+        # evicted yet (touched since the last cross-rank average), and a callback
+        # prepare() makes when it cannot evict: True if room will come (a sync
+        # was requested), so it waits instead of failing.
+        self.evict_blocked: torch.Tensor | None = None
+        self.on_starved = None
 
     # --- filling -------------------------------------------------------------
     def prepare(self, plan: LookupPlan) -> None:
@@ -118,7 +124,8 @@ class CachedGroup(TableGroup):
                     need = room
             while self.num_free < need:
                 if not self._evict(need - self.num_free):
-                    if self.inflight == 0:
+                    waiting = self.on_starved is not None and self.on_starved()
+                    if self.inflight == 0 and not waiting:
                         raise CacheTooSmall(
                             f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique "
                             "rows: raise placement.cache_rows / cache_ratio or lower trainer.batch_size"
@@ -172,6 +179,8 @@ class CachedGroup(TableGroup):
         """Free at least `at_least` slots (a chunk, to amortise the search).
         False if fewer unpinned slots exist."""
         candidates = (self.pins == 0) & (self.row_of_slot >= 0)
+        if self.evict_blocked is not None:
+            candidates &= ~self.evict_blocked
         available = int(candidates.sum())
         if available < at_least:
             return False

@@ -20,6 +20,7 @@ from recsys_cli.embeddings.plan import LookupPlan, plan_lookup
 from recsys_cli.embeddings.tables import TableGroup
 
 PLANS = "plans"  # key of the per-group lookup plans in Batch.extras
+ID_COUNTS = "id_counts"  # key of the per-feature id counts in Batch.extras
 
 
 class SumPool(torch.autograd.Function):
@@ -86,7 +87,18 @@ class EmbeddingCollection(nn.Module):
                 group_lengths = lengths[keys].reshape(-1)
             plans.append(plan_lookup(values, group_lengths, ids_per_key[keys], group.feature_row_offset))
         batch.extras[PLANS] = plans
+        batch.extras[ID_COUNTS] = self._id_counts(plans, ids_per_key, ids_per_key)
         return batch
+
+    def _id_counts(self, plans, batch_ids: torch.Tensor, looked_up: torch.Tensor) -> torch.Tensor:
+        """int64 [3, F] in feature order: ids in the batch, ids looked up
+        (fewer with deduplicated bags), distinct rows. Counted on the loader
+        thread, for the duplication statistics of the run."""
+        distinct = torch.zeros(len(self.features), dtype=torch.int64)
+        for keys, group, plan in zip(self._group_keys, self.groups, plans):
+            feature_of_row = torch.searchsorted(group.feature_row_offset_sorted, plan.unique, right=True) - 1
+            distinct[keys] += torch.bincount(group.feature_order[feature_of_row], minlength=len(keys))
+        return torch.stack([batch_ids, looked_up, distinct])
 
     def _plan_dedup(self, batch: Batch) -> Batch:
         """Plans over the unique bags of an InverseKeyedJaggedTensor: pooling
@@ -107,6 +119,8 @@ class EmbeddingCollection(nn.Module):
             bag_inverse = ikjt.inverse[keys] + first_bag.view(-1, 1)
             plans.append(plan_lookup(values, lengths, ids_per_key[keys], group.feature_row_offset, bag_inverse))
         batch.extras[PLANS] = plans
+        batch_ids = ikjt.lengths[ikjt.global_inverse()].sum(1)
+        batch.extras[ID_COUNTS] = self._id_counts(plans, batch_ids, ids_per_key)
         return batch
 
     # --- the step ----------------------------------------------------------
@@ -120,7 +134,9 @@ class EmbeddingCollection(nn.Module):
                 rows = group.gather(plan).requires_grad_()
                 self._pending.append((group, plan, rows))
             else:
-                rows = group.read(plan.unique)
+                rows = plan.extras.get("rows")  # read by another rank (distributed cache_avg evaluation)
+                if rows is None:
+                    rows = group.read(plan.unique)
             pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.bag_of_id)
             if plan.bag_inverse is not None:
                 pooled = pooled.index_select(0, plan.bag_inverse.reshape(-1))
@@ -129,6 +145,11 @@ class EmbeddingCollection(nn.Module):
         if not self._identity_order:
             pooled = pooled.index_select(0, self._restore)
         return pooled.transpose(0, 1)  # [B, F, D]
+
+    def pending(self) -> list[tuple[TableGroup, LookupPlan, torch.Tensor]]:
+        """(group, plan, gathered rows) of the last forward, until step(): the
+        distributed trainer averages the rows' gradients across ranks here."""
+        return self._pending
 
     @torch.no_grad()
     def step(self) -> None:

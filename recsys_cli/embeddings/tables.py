@@ -57,6 +57,12 @@ class TableGroup:
             offset += t.num_rows
         self.num_rows = offset
         self.feature_row_offset = torch.tensor([self.row_offset[t] for t in feature_tables], dtype=torch.int64)
+        # Which feature a fused row belongs to (statistics): offsets sorted, and
+        # the feature index of each sorted offset. Features sharing a table
+        # count toward one of them.
+        order = torch.argsort(self.feature_row_offset, stable=True)
+        self.feature_row_offset_sorted = self.feature_row_offset[order]
+        self.feature_order = order
 
     # --- the step: called by the collection -------------------------------
     def prepare(self, plan: LookupPlan) -> None:

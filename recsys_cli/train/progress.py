@@ -68,5 +68,10 @@ def summary_table(summary: dict) -> Table:
             add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
     elif "bytes_to_device" in cache:
         add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
-    add("ids served by an already-gathered row", f"{summary['dedup_ratio']:.3f}")
+    dup = summary["duplication"]
+    add("duplicated ids in batches (RecD)", f"{dup['duplicated_ids']:.3f}")
+    if summary["dedup"]:
+        add("lookups saved by dedup", f"{dup['lookups_saved_by_dedup']:.3f}")
+        worst = sorted(dup["duplicated_ids_per_feature"].items(), key=lambda kv: -kv[1])[:3]
+        add("most duplicated features", ", ".join(f"{k} {v:.2f}" for k, v in worst))
     return table

@@ -20,7 +20,7 @@ from data_tools.manifest import ManifestError, load_manifest
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.embeddings.collection import PLANS
+from recsys_cli.embeddings.collection import ID_COUNTS, PLANS
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.prefetch import Prefetcher
@@ -100,7 +100,8 @@ class Trainer:
         loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth)
         self.train_loader = ShardLoader(
             self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
-            keep_sessions=cfg.dedup.enabled, **loader_args,
+            keep_sessions=cfg.dedup.enabled if cfg.dedup.keep_sessions is None else cfg.dedup.keep_sessions,
+            **loader_args,
         )
         self.eval_loaders = {
             split: ShardLoader(self.dataset_dir, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
@@ -127,7 +128,7 @@ class Trainer:
         self.record_losses = False
         self.evals: list[dict] = []
         self.window_used: list[int] = []
-        self.dedup_totals = {"ids": 0, "unique_ids": 0}
+        self.id_counts = torch.zeros(3, len(features), dtype=torch.int64)  # batch ids, looked up, distinct
         if tc.resume:
             self.resume(tc.resume)
 
@@ -222,9 +223,19 @@ class Trainer:
         return moved
 
     def count_dedup(self, batch: Batch) -> None:
-        for plan in batch.extras[PLANS]:
-            self.dedup_totals["ids"] += plan.num_ids
-            self.dedup_totals["unique_ids"] += plan.num_unique
+        self.id_counts += batch.extras[ID_COUNTS]
+
+    def duplication(self) -> dict:
+        """RecD's measure: the share of a batch's ids that repeat a value
+        already in the batch (per feature and overall), and the share of
+        lookups that deduplicated bags saved."""
+        batch_ids, looked_up, distinct = self.id_counts.double()
+        ratio = lambda a, b: (1 - a / b).item() if b > 0 else 0.0  # noqa: E731
+        return {
+            "duplicated_ids": ratio(distinct.sum(), batch_ids.sum()),
+            "duplicated_ids_per_feature": {f: ratio(distinct[i], batch_ids[i]) for i, f in enumerate(self.embeddings.features)},
+            "lookups_saved_by_dedup": ratio(looked_up.sum(), batch_ids.sum()),
+        }
 
     def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
@@ -318,7 +329,7 @@ class Trainer:
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
             "cache": self.embeddings.stats(),
-            "dedup_ratio": 1 - self.dedup_totals["unique_ids"] / max(self.dedup_totals["ids"], 1),
+            "duplication": self.duplication(),
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if self.window_used:

@@ -1,0 +1,351 @@
+"""Multi-process training: process groups, the launcher, and small collectives.
+
+One process per device (DESIGN.md, "Scale"). Two ways to start them:
+
+* ``torchrun --nproc-per-node N -m recsys_cli train ...`` (and, across nodes,
+  torchrun's ``--nnodes/--node-rank/--rdzv-endpoint``). torchrun's elastic
+  agent starts the processes; each runs the Hydra app itself and joins the
+  group from the environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR...).
+  Ranks other than 0 compose the config in a scratch Hydra directory and take
+  rank 0's run directory, which rank 0 broadcasts once the group is up, so only
+  rank 0's directory exists and matters.
+* ``recsys train trainer.nproc=N``: the Hydra app composes the config and the
+  run directory once, then `launch` starts N workers through torch.distributed's
+  own launcher (``elastic_launch`` + ``LaunchConfig``: c10d rendezvous on
+  127.0.0.1 at a free port, max_restarts=0). Each worker (`worker_main`) gets
+  the resolved config as a plain container and the run directory.
+
+Failure: the elastic agent watches its workers; when one raises or is killed
+it stops the others (SIGTERM, then SIGKILL) and `launch` raises `WorkerFailed`
+naming the rank, its pid and the cause. Both process groups are created with
+``trainer.dist_timeout`` seconds, so a collective whose peer hangs without
+dying raises within that time instead of waiting forever.
+
+Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
+syncs and evaluation, issued only by the main thread. ``plan``: always gloo
+(host tensors); the per-batch all-gather of unique row ids and, in cache_avg
+mode, rank 0's cache fills, issued only by the one thread that plans batches
+ahead (the prefetcher thread, or the main thread without lookahead). Keeping
+them apart keeps each group's collectives in the same order on every rank
+although two threads issue them. How the embeddings stay in step across ranks
+is in embedding_sync.py.
+
+Only rank 0 writes metrics.jsonl, summary.json and checkpoints, and prints the
+progress bar and the summary. Every rank restores a checkpoint; the loader
+position in it counts global batches, so a run may resume with another number
+of processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from recsys_cli.errors import UserError
+
+# Set by torchrun and by the elastic launcher in every worker.
+AGENT_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    backend: str | None = None
+    group: Any = None  # the main group (None: torch's default group)
+    plan_group: Any = None  # gloo, for the planning thread
+    timeout_s: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_context = DistContext()
+
+
+def current() -> DistContext:
+    """This process's place in the group; world_size 1 when not distributed."""
+    return _context
+
+
+def launched_by_agent() -> bool:
+    """True in a worker started by torchrun or the elastic launcher."""
+    return all(k in os.environ for k in AGENT_ENV)
+
+
+def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
+    """Join the process group described by the environment (torchrun's or the
+    launcher's): NCCL when training on CUDA, gloo on CPU, plus the gloo plan
+    group; both time out after `timeout_s` seconds."""
+    global _context
+    if dist.is_initialized():
+        return _context
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    elif "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; the launcher API does not
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    timeout = timedelta(seconds=timeout_s)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timeout)
+    plan_group = dist.new_group(backend="gloo", timeout=timeout)
+    _context = DistContext(rank, world, local_rank, local_world, backend, None, plan_group, timeout_s)
+    return _context
+
+
+def teardown() -> None:
+    global _context
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _context = DistContext()
+
+
+# --- collectives -----------------------------------------------------------------
+
+
+def _comm_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(tensors: list[torch.Tensor], group=None) -> None:
+    """Average `tensors` (float) across ranks in place, flattened into one
+    buffer: one collective however many tensors."""
+    world = dist.get_world_size(group)
+    if world == 1 or not tensors:
+        return
+    device = _comm_device(group)
+    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view(t.shape))
+        offset += n
+
+
+def all_gather_split(parts: list[torch.Tensor], group=None) -> list[list[torch.Tensor]]:
+    """Every rank's `parts` (same count and dtype on every rank, lengths along
+    dim 0 free), as [rank][part]: the lengths are all-gathered, the
+    concatenation is padded to the longest and all-gathered, then cut."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [list(parts)]
+    device = _comm_device(group)
+    source = parts[0]
+    lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=device)
+    all_lengths = [torch.empty_like(lengths) for _ in range(world)]
+    dist.all_gather(all_lengths, lengths, group=group)
+    all_lengths = [lens.tolist() for lens in all_lengths]
+    longest = max(sum(lens) for lens in all_lengths)
+    flat = torch.cat([p.to(device) for p in parts]) if parts else source.new_zeros(0)
+    if longest == 0:
+        return [[flat[:0].to(source.device) for _ in parts] for _ in range(world)]
+    padded = flat.new_zeros((longest, *flat.shape[1:]))
+    padded[: flat.shape[0]] = flat
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    out = []
+    for buf, lens in zip(gathered, all_lengths):
+        out.append([c.to(source.device) for c in torch.split(buf[: sum(lens)], lens)])
+    return out
+
+
+def all_gather_varlen(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's `tensor` (lengths along dim 0 may differ), in rank order."""
+    return [parts[0] for parts in all_gather_split([tensor], group)]
+
+
+def broadcast_(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Broadcast from `src`; returns the received tensor (on `tensor`'s device)."""
+    device = _comm_device(group)
+    buf = tensor.to(device)
+    dist.broadcast(buf, src, group=group)
+    if buf is not tensor:
+        tensor.copy_(buf)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group)
+    return box[0]
+
+
+# --- the launcher ---------------------------------------------------------------------
+
+
+class WorkerFailed(Exception):
+    """A worker raised or died; the launcher stopped the others."""
+
+    def __init__(self, rank: int, pid: int | None, exitcode: int | None, message: str, traceback: str = "",
+                 user_error: bool = False) -> None:
+        self.rank, self.pid, self.exitcode = rank, pid, exitcode
+        self.message, self.traceback, self.user_error = message, traceback, user_error
+        how = "failed" if exitcode is None or exitcode >= 0 else "died"
+        super().__init__(f"rank {rank} (pid {pid}) {how}: {message}; the other ranks were stopped")
+
+    @classmethod
+    def from_child(cls, error: ChildFailedError) -> "WorkerFailed":
+        rank, failure = error.get_first_failure()
+        message, traceback = failure.message, ""
+        if isinstance(message, dict):
+            traceback = message.get("extraInfo", {}).get("py_callstack", "")
+            message = message.get("message", str(message))
+        message = str(message)
+        name, _, text = message.partition(": ")
+        user_error = name in _user_error_names()
+        if user_error:
+            message = text
+        elif failure.exitcode is not None and failure.exitcode > 0 and not traceback:
+            message = f"exit code {failure.exitcode} ({message})"
+        return cls(rank, failure.pid, failure.exitcode, message, traceback, user_error)
+
+
+def _user_error_names() -> set[str]:
+    names, todo = set(), [UserError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1) -> dict[int, Any]:
+    """Run entrypoint(*args) in `nproc` worker processes on this machine through
+    torch's elastic launcher; returns {rank: return value}. A worker that raises
+    or dies stops the others and raises WorkerFailed. The entrypoint must be
+    importable by name (workers are spawned) and should call `init`."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"recsys-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=monitor_interval, start_method="spawn",
+    )
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        raise WorkerFailed.from_child(e) from None
+
+
+# --- training entry points -------------------------------------------------------------
+
+
+def train(cfg, run_dir: Path | None) -> dict:
+    """Train as one rank of the group the launcher (or torchrun) set up:
+    join, agree on rank 0's run directory, train, leave. Rank 0 prints the
+    summary; returns the summary."""
+    from rich.console import Console
+
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+
+    ctx = init(cfg.trainer.dist_timeout, cfg.trainer.device)
+    failed = True
+    try:
+        shared = broadcast_object(str(run_dir) if run_dir is not None else None)
+        run_dir = Path(shared) if shared is not None else None
+        console = Console() if ctx.is_main else None
+        summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
+        if console is not None:
+            console.print(summary_table(summary))
+            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)")
+        failed = False
+        return summary
+    finally:
+        if not failed:  # after a failure a peer may never answer: just exit
+            teardown()
+
+
+@record
+def worker_main(cfg_container: dict, run_dir: str | None) -> float | None:
+    """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`."""
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import TrainConfig, register_configs
+
+    register_configs()
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
+    summary = train(cfg, Path(run_dir) if run_dir else None)
+    val = summary["final"].get("val")
+    return None if val is None else val["auc"]
+
+
+def train_app(cfg, run_dir: Path) -> float | None:
+    """`recsys train` when more than one process trains: under torchrun this
+    process is one rank; otherwise start trainer.nproc workers and wait."""
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    from recsys_cli.train.trainer import resolve_dataset
+
+    err = Console(stderr=True)
+    if launched_by_agent():
+        rank = os.environ["RANK"]
+        try:
+            summary = record(train)(cfg, run_dir)
+        except UserError as e:
+            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False)
+            sys.exit(2)
+        val = summary["final"].get("val")
+        return None if val is None else val["auc"]
+    try:
+        resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir))
+    except WorkerFailed as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        if e.traceback and not e.user_error:
+            err.print(e.traceback, highlight=False, markup=False)
+        sys.exit(2 if e.user_error else 1)
+    return results.get(0)
+
+
+def follower_overrides(overrides: list[str]) -> list[str]:
+    """Hydra overrides for a torchrun rank other than 0: compose in a scratch
+    directory (removed at exit), so that only rank 0's run directory exists."""
+    if os.environ.get("RANK", "0") == "0" or not launched_by_agent():
+        return overrides
+    scratch = tempfile.mkdtemp(prefix=f"recsys-rank{os.environ['RANK']}-")
+    import atexit
+
+    atexit.register(shutil.rmtree, scratch, True)
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.run.dir", "hydra.sweep.dir", "hydra.output_subdir"))]
+    return [*keep, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from recsys_cli.errors import UserError
 
@@ -25,7 +26,7 @@ commands:
 
 
 def fail(message: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     sys.exit(code)
 
 

@@ -1,0 +1,403 @@
+"""The automatic placement planner: `+placement=auto placement.device_memory_budget=64MiB`.
+
+Pure functions; placement.py and the trainer wire them in.
+
+  parse_bytes      "64MiB" -> 67108864
+  measure_access   one pass over a sample of batches: per table, how often
+                   each row is read and the most unique rows one batch needs
+  measure_skew     per table, the hottest rows that serve target_hit_rate of
+                   the accesses
+  plan_placement   per table, `device` (the whole fp32 table on the device) or
+                   `lookahead` (the table in host memory, in the run's
+                   precision, behind an fp32 device cache of `cache_rows`
+                   slots), never using more device bytes than the budget.
+
+The byte counts follow what the groups really allocate (see
+TableGroup.memory and CachedGroup.memory): a device table is rows x (dim +
+state) fp32 values; a cache is slots x (dim + state) fp32 values on the
+device, and its index (row-to-slot map, slot maps, pins, dirty bits, victim
+scores, LFU use counts) lives in host memory.
+
+How plan_placement decides (Acun et al.: placement decides throughput):
+  1. Everything fits on the device: everything goes there.
+  2. Every table needs at least a cache that holds one batch's unique rows
+     (the cache's hard limit, see CacheTooSmall). If those minimum caches do
+     not fit, the budget is too small and the error names both numbers.
+  3. The rest of the budget goes greedily to the rows that serve the most
+     reads per byte. A table's reads are modelled from its hot set (the
+     fewest rows that serve target_hit_rate of its reads, from
+     measure_skew): its hot rows serve target_hit_rate of the reads, the
+     rest of the table the remainder, each spread evenly. So per table there
+     are two pieces to buy, in order: the cache from the minimum up to the
+     hot set (dense in reads), then the rest of the table (sparse). Small
+     and hot tables have the most reads per byte in both pieces, so they go
+     whole onto the device first; large tables get caches that grow toward
+     their hot set; the cold rest of a large table comes last.
+  4. A cache that holds its whole table becomes a device table (the same
+     device bytes, no host copy, no cache traffic).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from recsys_cli.embeddings.tables import TableSpec
+from recsys_cli.errors import UserError
+
+BUDGET_KEY = "placement.device_memory_budget"
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+# Host bytes of a cache's index (CachedGroup): per table row, slot_of_row
+# (int32) and, for low-precision tables with LFU admission, row_uses (int32);
+# per slot, row_of_slot (int64), pins (int32), dirty (bool), score (int64),
+# free_slots (int64).
+INDEX_BYTES_PER_ROW = 4
+USE_COUNT_BYTES_PER_ROW = 4
+INDEX_BYTES_PER_SLOT = 8 + 4 + 1 + 8 + 8
+
+
+# --- sizes ------------------------------------------------------------------------
+def parse_bytes(text: str | int, key: str = BUDGET_KEY) -> int:
+    """A byte count from "1048576", "500MB" (10^6), "64MiB" (2^20), "2GiB", "1.5GB".
+
+    Units are case-insensitive; KB/MB/GB/TB are decimal, KiB/MiB/GiB/TiB binary.
+    Bad text raises UserError naming `key`."""
+    if isinstance(text, bool):
+        raise UserError(f"{key}={text!r} is not a size")
+    if isinstance(text, int):
+        if text < 0:
+            raise UserError(f"{key}={text} is negative")
+        return text
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UserError(
+            f"{key}={text!r} is not a size: write bytes (1048576) or a number with a unit "
+            "(500MB, 64MiB, 2GiB; KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float | None) -> str:
+    """646 MiB, 12.5 KiB, 100 B."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:,.1f} {unit}" if abs(n) < 100 else f"{n:,.0f} {unit}"
+        n /= 1024
+    return str(n)  # unreachable
+
+
+def format_count(n: int) -> str:
+    """10.1M, 25.0K, 999."""
+    for div, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(n)
+
+
+def host_row_bytes(dim: int, precision: str, state: int = 0) -> int:
+    """Bytes of one row in a RowStore of `precision` (quant.py), optimizer state included."""
+    if precision == "fp32":
+        values = dim * 4
+    elif precision == "fp16":
+        values = dim * 2
+    elif precision == "int8":
+        values = dim + 4  # uint8 codes, fp16 scale and bias
+    elif precision == "int4":
+        values = (dim + 1) // 2 + 4
+    else:
+        raise UserError(f"precision.kind={precision!r} is not one of {', '.join(PRECISIONS)}")
+    return values + state * 4
+
+
+def device_row_bytes(dim: int, state: int = 0) -> int:
+    """Bytes of one fp32 row and its state: a device table row or a cache slot."""
+    return (dim + state) * 4
+
+
+# --- access skew ---------------------------------------------------------------------
+@dataclass
+class AccessProfile:
+    """Row access counts per table from a sample of batches."""
+
+    counts: dict[str, np.ndarray]  # per table: reads of each row (int64 [num_rows])
+    batch_unique_rows: dict[str, int]  # per table: the most unique rows one batch read
+    batches: int = 0
+
+    @property
+    def reads(self) -> dict[str, int]:
+        """Per table, all reads in the sample (plan_placement's `reads`)."""
+        return {name: int(c.sum()) for name, c in self.counts.items()}
+
+    def hot_rows(self, target_hit_rate: float = 0.9) -> dict[str, int]:
+        """Per table, the fewest rows that serve target_hit_rate of its reads."""
+        if not 0 < target_hit_rate <= 1:
+            raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
+        return {name: rows_covering(c, target_hit_rate) for name, c in self.counts.items()}
+
+
+def rows_covering(counts: np.ndarray, fraction: float) -> int:
+    """The fewest rows whose counts add up to at least `fraction` of the total."""
+    total = int(counts.sum())
+    if total == 0:
+        return 0
+    # Exact decimal arithmetic: 0.7 of 10 reads is 7 reads, not 7.000000000000001.
+    need = max(1, math.ceil(Fraction(repr(float(fraction))) * total))
+    nonzero = counts[counts > 0]
+    cumulative = np.cumsum(np.sort(nonzero)[::-1])
+    return int(np.searchsorted(cumulative, need, side="left")) + 1
+
+
+def measure_access(batches: Iterable, features: list[str], vocab_sizes: list[int]) -> AccessProfile:
+    """Count reads per row of each feature's table over `batches`.
+
+    `batches` yields KeyedJaggedTensors (or Batches; deduplicated ones are expanded) with
+    ids local to each feature's table; a key absent from a batch counts as no
+    reads. An id outside its table raises UserError."""
+    if len(features) != len(vocab_sizes):
+        raise ValueError(f"{len(features)} features but {len(vocab_sizes)} vocabulary sizes")
+    counts = {f: np.zeros(n, dtype=np.int64) for f, n in zip(features, vocab_sizes)}
+    unique = {f: 0 for f in features}
+    seen = 0
+    for batch in batches:
+        kjt = getattr(batch, "sparse", batch)
+        if hasattr(kjt, "to_kjt"):  # a deduplicated batch: count every sample's reads
+            kjt = kjt.to_kjt()
+        seen += 1
+        values = kjt.values.detach().cpu().numpy()
+        per_key = kjt.lengths.detach().cpu().view(len(kjt.keys), kjt.stride).sum(1).tolist() if kjt.keys else []
+        start = 0
+        for key, length in zip(kjt.keys, per_key):
+            ids, start = values[start : start + length], start + length
+            if key not in counts or ids.size == 0:
+                continue
+            vocab = counts[key].size
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= vocab:
+                raise UserError(f"feature {key} has id {lo if lo < 0 else hi} outside its table of {vocab:,} rows")
+            counts[key] += np.bincount(ids, minlength=vocab)
+            unique[key] = max(unique[key], int(np.unique(ids).size))
+    return AccessProfile(counts, unique, seen)
+
+
+def measure_skew(
+    batches: Iterable, features: list[str], vocab_sizes: list[int], target_hit_rate: float = 0.9
+) -> dict[str, int]:
+    """Per table, how many of its hottest rows serve target_hit_rate of the reads
+    in `batches` (KeyedJaggedTensors, ids local to each table, key-major)."""
+    if not 0 < target_hit_rate <= 1:
+        raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
+    return measure_access(batches, features, vocab_sizes).hot_rows(target_hit_rate)
+
+
+# --- the plan ------------------------------------------------------------------------
+@dataclass
+class Plan:
+    placements: dict[str, str]  # table -> "device" | "lookahead"
+    cache_rows: dict[str, int]  # lookahead tables -> cache slots
+    expected_bytes: dict[str, int]  # {"device": ..., "host": ...}
+    reasons: dict[str, str]  # table -> one sentence
+    budget_bytes: int = 0
+    precision: str = "fp32"  # of the host tables; device tables are fp32
+    table_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # table -> {"device", "host"}
+    num_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_cache_rows(self) -> int:
+        """Slots of one fused lookahead group holding every lookahead table."""
+        return sum(self.cache_rows.values())
+
+    @property
+    def lookahead_tables(self) -> list[str]:
+        return [t for t, p in self.placements.items() if p == "lookahead"]
+
+    @property
+    def device_tables(self) -> list[str]:
+        return [t for t, p in self.placements.items() if p == "device"]
+
+    def table(self):
+        """A rich Table: one row per table, totals in the caption."""
+        from rich.table import Table
+
+        table = Table(
+            title=f"placement plan: {format_bytes(self.expected_bytes['device'])} of "
+                  f"{format_bytes(self.budget_bytes)} device budget",
+            header_style="bold",
+        )
+        for name, justify in (("table", "left"), ("rows", "right"), ("placement", "left"), ("precision", "left"),
+                              ("cache rows", "right"), ("device", "right"), ("host", "right"), ("why", "left")):
+            table.add_column(name, justify=justify, overflow="fold")
+        for name, placement in self.placements.items():
+            b = self.table_bytes.get(name, {})
+            table.add_row(
+                name, f"{self.num_rows.get(name, 0):,}", placement,
+                "fp32" if placement == "device" else self.precision,
+                f"{self.cache_rows[name]:,}" if name in self.cache_rows else "-",
+                format_bytes(b.get("device")), format_bytes(b.get("host")), self.reasons.get(name, ""),
+            )
+        table.caption = (
+            f"device {format_bytes(self.expected_bytes['device'])}, host {format_bytes(self.expected_bytes['host'])}; "
+            f"{len(self.lookahead_tables)} table(s) behind one lookahead cache of {self.total_cache_rows:,} rows"
+        )
+        return table
+
+
+def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state: int, policy: str) -> dict[str, int]:
+    if placement == "device":
+        return {"device": t.num_rows * device_row_bytes(t.dim, state), "host": 0}
+    index = t.num_rows * INDEX_BYTES_PER_ROW + cache * INDEX_BYTES_PER_SLOT
+    if precision != "fp32" and policy == "lfu":
+        index += t.num_rows * USE_COUNT_BYTES_PER_ROW
+    return {
+        "device": cache * device_row_bytes(t.dim, state),
+        "host": t.num_rows * host_row_bytes(t.dim, precision, state) + index,
+    }
+
+
+def plan_placement(
+    tables: list[TableSpec],
+    hot_rows: dict[str, int],
+    budget_bytes: int,
+    precision: str = "fp32",
+    optimizer_state_per_row: int = 0,
+    batch_unique_rows: dict[str, int] | None = None,
+    target_hit_rate: float = 0.9,
+    reads: dict[str, int] | None = None,
+    policy: str = "lru",
+) -> Plan:
+    """Choose `device` or `lookahead` (with a cache size) for every table so the
+    embeddings use at most `budget_bytes` of device memory; see the module
+    docstring for the rules.
+
+    hot_rows: per table, the rows that serve target_hit_rate of its reads
+    (measure_skew); a table missing from it counts as never read.
+    optimizer_state_per_row: fp32 values of state per row (0 for SGD, 1 for
+    row-wise Adagrad). batch_unique_rows: per table, the most unique rows one
+    batch reads (the least cache it can train with; 1 when not given).
+    reads: per table, how many reads the sample had (AccessProfile.reads);
+    when not given every table counts as read equally often (one-hot
+    features, as in Criteo). policy: the cache's victim policy
+    (placement.policy); it only changes the host bytes of the cache's index.
+    Raises UserError when even the minimum caches do not fit."""
+    if precision not in PRECISIONS:
+        raise UserError(f"precision.kind={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if budget_bytes < 0:
+        raise UserError(f"{BUDGET_KEY} is negative ({budget_bytes} bytes)")
+    if not 0 < target_hit_rate <= 1:
+        raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate table names in {names}")
+    state = optimizer_state_per_row
+    batch_unique_rows = batch_unique_rows or {}
+    spec = {t.name: t for t in tables}
+    row_b = {t.name: device_row_bytes(t.dim, state) for t in tables}
+    full = {t.name: t.num_rows * row_b[t.name] for t in tables}
+    hot = {t.name: max(0, int(hot_rows.get(t.name, 0))) for t in tables}
+    minimum = {t.name: min(t.num_rows, max(int(batch_unique_rows.get(t.name, 0)), 1)) for t in tables}
+    target = {t.name: min(t.num_rows, max(hot[t.name], minimum[t.name])) for t in tables}
+    pct = f"{target_hit_rate * 100:g} %"
+
+    def describe(t: TableSpec) -> str:
+        return f"{format_count(t.num_rows)} rows x {row_b[t.name]} B = {format_bytes(full[t.name])}"
+
+    placements: dict[str, str] = {}
+    cache: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    total_full = sum(full.values())
+    if total_full <= budget_bytes:
+        for t in tables:
+            placements[t.name] = "device"
+            reasons[t.name] = (f"{t.name}: {describe(t)} on the device; all tables "
+                               f"({format_bytes(total_full)}) fit the {format_bytes(budget_bytes)} budget")
+    else:
+        min_needed = sum(minimum[n] * row_b[n] for n in names)
+        if min_needed > budget_bytes:
+            worst = max(tables, key=lambda t: minimum[t.name] * row_b[t.name])
+            raise UserError(
+                f"{BUDGET_KEY}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
+                f"need {format_bytes(total_full)} and even caches that hold one batch's unique rows of every "
+                f"table need {format_bytes(min_needed)} ({min_needed:,} bytes; the largest, {worst.name}, "
+                f"{minimum[worst.name]:,} rows x {row_b[worst.name]} B); raise the budget or lower "
+                "trainer.batch_size"
+            )
+        cache = dict(minimum)
+        left = budget_bytes - min_needed
+        # The pieces to buy: (reads served per byte, tie-breaks, table, rows).
+        pieces = []
+        for i, n in enumerate(names):
+            t = spec[n]
+            weight = 1.0 if reads is None else float(reads.get(n, 0))
+            if hot[n] == 0:
+                weight = 0.0  # never read in the sample
+            dense = weight * target_hit_rate / (max(hot[n], 1) * row_b[n])
+            rest = t.num_rows - target[n]
+            sparse = weight * (1 - target_hit_rate) / (max(rest, 1) * row_b[n])
+            if target[n] > minimum[n]:
+                pieces.append((-dense, full[n], i, 0, n, target[n] - minimum[n]))
+            if rest > 0:  # never before the table's own dense piece
+                pieces.append((-min(sparse, dense), full[n], i, 1, n, rest))
+        for *_, n, rows in sorted(pieces):
+            take = min(rows, left // row_b[n])
+            cache[n] += take
+            left -= take * row_b[n]
+        for t in tables:
+            n = t.name
+            if cache[n] >= t.num_rows:
+                placements[n] = "device"
+                del cache[n]
+                if minimum[n] >= t.num_rows:
+                    why = "one batch reads every row"
+                elif target[n] >= t.num_rows:
+                    why = f"its hot set ({pct} of accesses) is the whole table"
+                else:
+                    why = ("small enough that keeping it whole serves more reads per byte than growing "
+                           "the caches of larger tables")
+                reasons[n] = f"{n}: {describe(t)} on the device: {why}"
+                continue
+            placements[n] = "lookahead"
+            head = f"{n}: {describe(t)} does not fit; cache of {cache[n]:,} rows"
+            if hot[n] == 0:
+                reasons[n] = f"{head} (no reads of it were measured in the sample)"
+            elif cache[n] == minimum[n] and minimum[n] >= hot[n]:
+                reasons[n] = (f"{head} holds one batch's unique rows "
+                              f"(at least the {hot[n]:,} rows that serve {pct} of accesses)")
+            elif cache[n] > hot[n]:
+                reasons[n] = f"{head} covers more than {pct} of accesses ({hot[n]:,} rows cover {pct})"
+            elif cache[n] == hot[n]:
+                reasons[n] = f"{head} covers {pct} of accesses"
+            else:
+                batch = f"; one batch needs {minimum[n]:,}" if minimum[n] > 1 else ""
+                reasons[n] = (f"{head}, limited by the budget ({hot[n]:,} rows would cover {pct} of "
+                              f"accesses{batch})")
+    table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy)
+                   for t in tables}
+    expected = {
+        "device": sum(b["device"] for b in table_bytes.values()),
+        "host": sum(b["host"] for b in table_bytes.values()),
+    }
+    if expected["device"] > budget_bytes:  # a bug, never the user's doing
+        raise AssertionError(f"plan uses {expected['device']} device bytes of a {budget_bytes} budget")
+    return Plan(
+        placements=placements, cache_rows=cache, expected_bytes=expected, reasons=reasons,
+        budget_bytes=budget_bytes, precision=precision, table_bytes=table_bytes,
+        num_rows={t.name: t.num_rows for t in tables},
+    )

@@ -1,0 +1,254 @@
+"""`recsys report DIR`: tables, report.csv and plots of a run or a sweep."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from recsys_cli.errors import UserError
+from recsys_cli.report import PLOT_NAMES, build_report, run_labels, run_report
+
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "sparse_update", "dense_update", "eval")
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 10_000, f"{path} is only {len(data)} bytes"
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- a sweep run by the real trainer ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory):
+    """`recsys train -m +placement=device,lookahead ...` as a user would run it."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    sweep = tmp / "multirun"
+    env = {**os.environ, "RECSYS_CACHE": str(tmp / "cache")}
+    result = subprocess.run(
+        [RECSYS, "train", "-m", "+placement=device,lookahead", "trainer.max_steps=30", "dataset.synthetic.rows=5000",
+         "trainer.checkpoint_every=null", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
+    )
+    if result.returncode != 0:  # another part of the system is mid-change: the fixture tests below still run
+        pytest.skip(f"`recsys train -m` failed (rc {result.returncode}): {result.stderr[-800:]}")
+    return sweep
+
+
+def test_report_of_a_real_sweep(real_sweep, tmp_path):
+    out = tmp_path / "report"
+    result = subprocess.run([RECSYS, "report", str(real_sweep), "--out", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "placement=device" in result.stdout and "placement=lookahead" in result.stdout
+    rows = read_csv(out / "report.csv")
+    assert [r["run"] for r in rows] == ["placement=device", "placement=lookahead"]
+    assert [r["dir"] for r in rows] == ["0", "1"]
+    device, lookahead = rows
+    assert lookahead["overrides"].split() == ["+placement=lookahead", "trainer.max_steps=30",
+                                              "dataset.synthetic.rows=5000", "trainer.checkpoint_every=null"]
+    assert (device["placement"], lookahead["placement"]) == ("device", "lookahead")
+    for r in rows:
+        assert 0 <= float(r["val_auc"]) <= 1 and float(r["val_logloss"]) > 0 and float(r["samples_per_second"]) > 0
+        assert sum(float(r[f"seconds_{p}"]) for p in PHASES) > 0
+        assert 0 <= float(r["dedup_ratio"]) <= 1
+    # Exact caching: the lookahead run learns exactly what the device run learns.
+    assert device["val_auc"] == lookahead["val_auc"]
+    assert device["cache_hit_rate"] == "" and 0 < float(lookahead["cache_hit_rate"]) <= 1
+    assert int(device["host_bytes"]) == 0 < int(lookahead["host_bytes"])
+    assert int(lookahead["device_bytes"]) < int(device["device_bytes"])
+    for name in PLOT_NAMES.values():
+        assert_png(out / name)
+    assert not (real_sweep / "report.csv").exists()  # --out: nothing written into DIR
+    summary = json.loads((real_sweep / "1" / "summary.json").read_text())
+    assert float(lookahead["samples_per_second"]) == pytest.approx(summary["samples_per_second"])
+
+
+# --- sweeps written by hand: every shape the report must handle -----------------------------------
+def write_run(run_dir: Path, overrides: list[str], placement="device", precision="fp32", window=4, cache_rows=None,
+              sps=20_000.0, auc=0.74, steps=100, cache_slots=None, hit_rate=None, phase_scale=1.0) -> None:
+    """A run directory as the trainer leaves it: summary.json, metrics.jsonl, .hydra/overrides.yaml."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    cache = {}
+    if cache_slots is not None:
+        hits = int(hit_rate * 10_000)
+        cache = {"hits": hits, "misses": 10_000 - hits, "rows_loaded": 10_000 - hits, "rows_evicted": 5000,
+                 "rows_written_back": 5000, "bytes_to_device": 1 << 20, "bytes_to_host": 1 << 20, "not_admitted": 0,
+                 "prepare_seconds": 0.4 * phase_scale, "cache_slots": cache_slots, "hit_rate": hit_rate}
+        if placement == "lookahead":
+            cache.update(window_used_min=1, window_used_mean=window - 0.5)
+    phases = dict(zip(PHASES, [0.2, 0.5, 1.0, 2.0, 0.3, 0.2, 0.4]))
+    summary = {
+        "steps": steps, "samples": steps * 128, "samples_per_second": sps, "train_seconds": steps * 128 / sps,
+        "final": {"val": {"auc": auc, "logloss": 0.47, "accuracy": 0.78, "samples": 5000},
+                  "test": {"auc": auc - 0.01, "logloss": 0.48, "accuracy": 0.77, "samples": 5000}},
+        "phase_seconds": {k: v * phase_scale for k, v in phases.items()},
+        "embedding_bytes": {"device": 4_000_000 if cache_slots is None else cache_slots * 64,
+                            "host": 0 if cache_slots is None else 4_500_000, "table": 4_000_000,
+                            "cache": (cache_slots or 0) * 64, "index": 0},
+        "peak_host_rss_bytes": 400 << 20, "peak_device_bytes": None, "device": "cpu",
+        "placement": placement, "precision": precision, "dedup": False, "cache": cache,
+        "duplication": {"duplicated_ids": 0.83, "duplicated_ids_per_feature": {"C1": 0.9}, "lookups_saved_by_dedup": 0.0},
+        "config": {"placement": {"kind": placement, "cache_rows": cache_rows, "cache_ratio": 0.05, "window": window,
+                                 "policy": "lru", "overrides": {}, "device_max_rows": None, "device_memory_budget": None},
+                   "precision": {"kind": precision}},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    lines = [{"step": s, "epoch": 0, "loss": 0.5 - s / 1000, "samples_per_second": sps} for s in (50, 100)]
+    lines.append({"step": steps, "split": "val", **summary["final"]["val"]})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+@pytest.fixture
+def cache_sweep(tmp_path) -> Path:
+    """A lookahead sweep over window x cache_rows, a device baseline, a nested
+    run and a run whose summary.json is corrupt."""
+    root = tmp_path / "multirun"
+    common = ["trainer.max_steps=100"]
+    write_run(root / "0", ["+placement=device", *common], sps=30_000, auc=0.7412)
+    i = 1
+    for window in (1, 4):
+        for rows in (1000, 10_000):
+            write_run(root / str(i if i < 4 else 10), ["+placement=lookahead", f"placement.window={window}",
+                                                      f"placement.cache_rows={rows}", *common],
+                      placement="lookahead", window=window, cache_rows=rows, cache_slots=rows,
+                      hit_rate=0.5 + 0.1 * (rows == 10_000) + 0.05 * window, sps=10_000 + 1000 * window,
+                      auc=0.7412, phase_scale=1 + 1 / window)
+            i += 1
+    write_run(root / "nested" / "0", ["+placement=lookahead", "+precision=int8", "placement.window=4",
+                                      "placement.cache_rows=1000", *common],
+              placement="lookahead", precision="int8", window=4, cache_rows=1000, cache_slots=1000, hit_rate=0.7,
+              auc=0.7405)
+    (root / "5" / ".hydra").mkdir(parents=True)
+    (root / "5" / "summary.json").write_text('{"steps": 10, "samples_per')  # killed mid-write (no rename)
+    return root
+
+
+def test_report_of_a_cache_sweep(cache_sweep):
+    console = Console(record=True, width=220)
+    report = build_report(cache_sweep, console=console)
+    text = console.export_text()
+    # Natural order (10 after 3), the nested run found, the corrupt run skipped by name.
+    assert [r.rel for r in report.runs] == ["0", "1", "2", "3", "10", "nested/0"]
+    assert [p for p, _ in report.skipped] == [cache_sweep / "5" / "summary.json"]
+    assert f"skipped {cache_sweep / '5' / 'summary.json'}" in text.replace("\n", "")
+    labels = [r["run"] for r in report.rows]
+    assert labels == [
+        "placement=device",
+        "placement=lookahead window=1 cache_rows=1000",
+        "placement=lookahead window=1 cache_rows=10000",
+        "placement=lookahead window=4 cache_rows=1000",
+        "placement=lookahead window=4 cache_rows=10000",
+        "placement=lookahead window=4 cache_rows=1000 precision=int8",
+    ]
+    for label in labels:
+        assert label in text
+    rows = read_csv(cache_sweep / "report.csv")
+    assert [r["run"] for r in rows] == labels
+    assert rows[0]["cache_hit_rate"] == "" and float(rows[1]["cache_hit_rate"]) == pytest.approx(0.55)
+    assert rows[5]["precision"] == "int8" and float(rows[5]["val_auc"]) == pytest.approx(0.7405)
+    assert float(rows[2]["samples_per_second"]) == 11_000 and int(rows[0]["device_bytes"]) == 4_000_000
+    assert float(rows[1]["seconds_backward"]) == pytest.approx(4.0) and float(rows[1]["dedup_ratio"]) == 0.83
+    assert float(rows[1]["train_loss"]) == pytest.approx(0.4)  # the last logged training loss
+    assert rows[0]["overrides"] == "+placement=device trainer.max_steps=100"
+    assert sorted(p.name for p in report.plots) == sorted(PLOT_NAMES.values())
+    for path in report.plots:
+        assert_png(path)
+    assert not [p for p in cache_sweep.iterdir() if p.name.endswith(".tmp")]  # renamed, nothing left behind
+
+
+def test_report_without_a_cache_skips_the_cache_plot_and_says_so(tmp_path):
+    root = tmp_path / "sweep"
+    write_run(root / "0", ["+placement=device", "optimizer.lr=0.05"], auc=0.73)
+    write_run(root / "1", ["+placement=device", "optimizer.lr=0.1"], auc=0.74)
+    (root / PLOT_NAMES["cache"]).write_bytes(b"stale")  # from an earlier report of other runs
+    console = Console(record=True, width=200)
+    report = build_report(root, console=console)
+    assert [r["run"] for r in report.rows] == ["lr=0.05", "lr=0.1"]
+    assert not (root / PLOT_NAMES["cache"]).exists()
+    assert any("no run uses a cache" in n for n in report.notes)
+    assert "no run uses a cache" in console.export_text()
+    for name in ("throughput", "auc", "phases"):
+        assert_png(root / PLOT_NAMES[name])
+
+
+def test_report_of_a_single_run_directory(tmp_path, capsys):
+    run = tmp_path / "outputs" / "2026-01-01" / "12-00-00"
+    write_run(run, [], placement="lookahead", cache_slots=500, hit_rate=0.9, cache_rows=500)
+    run_report([str(run)])
+    out = capsys.readouterr().out
+    assert "12-00-00" in out and "lookahead/fp32" in out and "0.900" in out
+    rows = read_csv(run / "report.csv")
+    assert len(rows) == 1 and rows[0]["dir"] == "." and rows[0]["run"] == "12-00-00"
+    for name in PLOT_NAMES.values():
+        assert_png(run / name)
+
+
+def test_falls_back_to_metrics_jsonl_for_a_run_without_final_metrics(tmp_path):
+    write_run(tmp_path / "r", ["+placement=device"], auc=0.7123)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    del summary["final"]
+    (tmp_path / "r" / "summary.json").write_text(json.dumps(summary))
+    report = build_report(tmp_path, plots=False)
+    assert report.rows[0]["val_auc"] == pytest.approx(0.7123) and report.plots == []
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "only_corrupt", "file"])
+def test_errors_name_the_directory(tmp_path, make):
+    target = tmp_path / "runs"
+    if make == "empty":
+        (target / "0" / ".hydra").mkdir(parents=True)
+    elif make == "only_corrupt":
+        (target / "0").mkdir(parents=True)
+        (target / "0" / "summary.json").write_text("[1, 2")
+    elif make == "file":
+        target.write_text("not a directory")
+    with pytest.raises(UserError) as e:
+        run_report([str(target)])
+    assert str(target) in str(e.value)
+
+
+def test_cli_prints_the_error_without_a_traceback(tmp_path, capsys):
+    from recsys_cli.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(tmp_path / "nowhere")])
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "error:" in err and "nowhere" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_run_labels_keep_only_what_differs_and_stay_unique():
+    labels = run_labels(
+        [["+placement=lookahead", "placement.cache_ratio=0.1", "precision.cache_ratio=0.01", "optimizer.lr=0.1"],
+         ["+placement=lookahead", "placement.cache_ratio=0.2", "precision.cache_ratio=0.02", "optimizer.lr=0.1"],
+         ["+placement=lookahead", "placement.cache_ratio=0.2", "precision.cache_ratio=0.02", "optimizer.lr=0.1"]],
+        ["0", "1", "2"],
+    )
+    # Same last part in two keys: the full keys stay; a repeated label gets its directory.
+    assert labels == [
+        "placement.cache_ratio=0.1 precision.cache_ratio=0.01",
+        "placement.cache_ratio=0.2 precision.cache_ratio=0.02 [1]",
+        "placement.cache_ratio=0.2 precision.cache_ratio=0.02 [2]",
+    ]
+    assert run_labels([["a.b=1"], ["a.b=1"]], ["x", "y"]) == ["x", "y"]
+    assert run_labels([["+dedup=on", "trainer.seed=3"]], ["r"]) == ["dedup=on seed=3"]
+
+
+def test_report_module_imports_neither_matplotlib_nor_torch_until_needed():
+    code = "import sys, recsys_cli.cli, recsys_cli.report; sys.exit('matplotlib' in sys.modules or 'torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -41,45 +41,70 @@ def table_placements(tables: list[TableSpec], placement) -> dict[str, str]:
 def build_embeddings(
     features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
     device: torch.device, seed: int, placements: dict[str, str] | None = None,
+    precisions: dict[str, str] | None = None, cache_rows: int | None = None,
 ) -> EmbeddingCollection:
-    """One table per feature, named after it, grouped by (placement, precision)."""
+    """One table per feature, named after it, grouped by (placement, precision).
+
+    placements/precisions: per table, overriding the config (the planner's
+    choice); cache_rows: slots of the lookahead/cache group, overriding
+    placement.cache_rows."""
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
     placements = placements or table_placements(tables, placement)
-    groups: "OrderedDict[str, list[TableSpec]]" = OrderedDict()
+    precisions = precisions or {t.name: precision.kind for t in tables}
+    groups: "OrderedDict[tuple[str, str], list[TableSpec]]" = OrderedDict()
     for t in tables:
-        groups.setdefault(placements[t.name], []).append(t)
+        groups.setdefault((placements[t.name], precisions[t.name]), []).append(t)
     built = []
-    for index, (kind, specs) in enumerate(groups.items()):
+    for index, ((kind, table_precision), specs) in enumerate(groups.items()):
         weights = torch.cat([init_table(t, seed * 1000 + features.index(t.name)) for t in specs])
-        group = make_group(kind, specs, weights, placement, precision, optimizer, device, seed + index)
+        group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
+                           seed + index, cache_rows)
         built.append(([t.name for t in specs], group))
     return EmbeddingCollection(features, built, dim)
 
 
-def make_group(kind, specs, weights, placement, precision, optimizer, device, seed):
+def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None):
     names = [t.name for t in specs]
     host = kind in ("uvm", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
     generator = torch.Generator(device=store_device).manual_seed(seed)
     store = RowStore(
         weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device),
-        precision.kind, precision.rounding, generator,
+        table_precision, precision.rounding, generator,
     )
     if host and device.type == "cuda":
         store.pin_memory()
     args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
-    if kind in ("lookahead", "cache") or precision.kind != "fp32":
+    if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots
 
         if kind in ("lookahead", "cache"):
             ratio, policy = placement.cache_ratio, placement.policy
-            rows = placement.cache_rows
+            rows = cache_rows if cache_rows is not None else placement.cache_rows
         else:
-            ratio = precision.cache_ratio or DEFAULT_CACHE_RATIO[precision.kind]
+            ratio = precision.cache_ratio or DEFAULT_CACHE_RATIO[table_precision]
             policy, rows = precision.policy, None
         slots = cache_slots(weights.shape[0], rows, ratio)
         return CachedGroup(
             **args, store_tier="device" if kind == "device" else "host", cache_slots=slots, policy=policy,
-            lookahead=kind == "lookahead", window=placement.window, admit_all=precision.kind == "fp32",
+            lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32",
         )
     return DirectGroup(**args, kind=kind)
+
+
+def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
+              sample_batches) -> "Plan":
+    """placement=auto: measure the access skew of a sample of training
+    batches and let the planner place every table within the device budget."""
+    from recsys_cli.embeddings.planner import measure_access, parse_bytes, plan_placement
+
+    if not placement.device_memory_budget:
+        raise UserError("+placement=auto needs placement.device_memory_budget=SIZE (e.g. 64MiB, 2GiB)")
+    budget = parse_bytes(placement.device_memory_budget)
+    profile = measure_access(sample_batches, features, vocab_sizes)
+    tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
+    return plan_placement(
+        tables, profile.hot_rows(), budget, precision=precision.kind,
+        optimizer_state_per_row=1 if optimizer.has_state else 0,
+        batch_unique_rows=profile.batch_unique_rows, reads=profile.reads, policy=placement.policy,
+    )

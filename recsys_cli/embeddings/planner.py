@@ -244,7 +244,8 @@ class Plan:
         )
         for name, justify in (("table", "left"), ("rows", "right"), ("placement", "left"), ("precision", "left"),
                               ("cache rows", "right"), ("device", "right"), ("host", "right"), ("why", "left")):
-            table.add_column(name, justify=justify, overflow="fold")
+            table.add_column(name, justify=justify, overflow="fold", ratio=4 if name == "why" else None,
+                             no_wrap=name != "why", min_width=24 if name == "why" else None)
         for name, placement in self.placements.items():
             b = self.table_bytes.get(name, {})
             table.add_row(

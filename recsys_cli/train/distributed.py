@@ -25,7 +25,7 @@ Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
 syncs and evaluation, issued only by the main thread. ``plan``: always gloo
 (host tensors); the per-batch all-gather of unique row ids and, in cache_avg
 mode, rank 0's cache fills, issued only by the one thread that plans batches
-ahead (the prefetcher thread, or the main thread without lookahead). Keeping
+ahead (the prefetcher thread, or a planning thread without lookahead). Keeping
 them apart keeps each group's collectives in the same order on every rank
 although two threads issue them. How the embeddings stay in step across ranks
 is in embedding_sync.py.
@@ -38,6 +38,7 @@ of processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -83,7 +84,16 @@ _context = DistContext()
 
 
 def current() -> DistContext:
-    """This process's place in the group; world_size 1 when not distributed."""
+    """This process's place in the group; world_size 1 when not distributed.
+    A group that a script set up itself (dist.init_process_group) is adopted
+    (the first call is then collective: every rank must make it)."""
+    global _context
+    if not _context.enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        _context = DistContext(
+            dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world)), dist.get_backend(), None, dist.new_group(backend="gloo"),
+        )
     return _context
 
 
@@ -255,10 +265,18 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=monitor_interval, start_method="spawn",
     )
+    # The agent logs every failure with its traceback; WorkerFailed carries both.
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise WorkerFailed.from_child(e) from None
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
 
 
 # --- training entry points -------------------------------------------------------------
@@ -310,6 +328,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
     from omegaconf import OmegaConf
     from rich.console import Console
 
+    from recsys_cli.config import validate
     from recsys_cli.train.trainer import resolve_dataset
 
     err = Console(stderr=True)
@@ -318,20 +337,26 @@ def train_app(cfg, run_dir: Path) -> float | None:
         try:
             summary = record(train)(cfg, run_dir)
         except UserError as e:
-            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False)
+            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
         val = summary["final"].get("val")
         return None if val is None else val["auc"]
     try:
+        validate(cfg)
         resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
     except UserError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     container = OmegaConf.to_container(cfg, resolve=True)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     try:
         results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir))
+    except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
+        err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
+        sys.exit(130)
     except WorkerFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         if e.traceback and not e.user_error:
             err.print(e.traceback, highlight=False, markup=False)
         sys.exit(2 if e.user_error else 1)

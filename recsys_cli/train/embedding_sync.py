@@ -16,9 +16,9 @@ one process would make for the global batch (the same rows in the same order,
 the same cache fills), and rows outside the rank's slice simply get a zero
 gradient from it. Chosen over "every rank reads the whole global batch"
 because the loader then decodes only the rank's slice; the price is one small
-all-gather of ids per batch. It runs where batches are planned ahead: on the
-prefetcher thread when a group has a lookahead cache (so it overlaps
-training), otherwise on the main thread; always on the gloo plan group
+all-gather of ids per batch. It runs on the thread that plans batches ahead
+(the prefetcher thread when a group has a lookahead cache, otherwise a small
+planning thread), so it overlaps training; always on the gloo plan group
 (distributed.py), so its collectives never interleave with the main thread's.
 Every rank plans exactly the batches it will train (the stream is cut at the
 end of the epoch or at max_steps), so these collectives always pair up.
@@ -29,7 +29,11 @@ single flat buffer: every dense gradient, the gradient of every gathered
 update to the same rows, so the table replicas never diverge: each rank keeps
 its own table and fills its own cache (lookahead or on-demand) with its own
 prefetcher, from identical plans. The result is one process's trajectory with
-the global batch, up to the rounding of the averaged sums.
+the global batch, up to the rounding of the averaged sums. (Caveat: an
+int8/int4 table behind a lookahead cache admits rows depending on how far the
+prefetcher is ahead, a matter of timing, so two ranks may round a row in low
+precision differently; their replicas then agree only up to quantization
+noise.)
 
 trainer.embedding_sync=cache_avg (cDLRM's inexact mode; fp32 tables behind a
 lookahead or on-demand cache only):
@@ -136,15 +140,17 @@ class _Replica:
         self.group = group
         self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # slots touched since the last sync
         self.syncs = 0
-        self.sync_requested = False
+        self.sync_requested = False  # a SYNC marker is on its way
+        self.sync_due = False  # the step in progress ends with a periodic sync
         group.evict_blocked = self.unsynced  # rank 0 evicts only averaged rows
 
 
 class EmbeddingSync:
     """The distributed half of a training step (see the module docstring)."""
 
-    def __init__(self, cfg, ctx: DistContext, model, timer) -> None:
+    def __init__(self, cfg, ctx: DistContext, model, timer, step: int = 0) -> None:
         self.ctx, self.timer = ctx, timer
+        self.step = step  # steps done
         self.model = model
         self.embeddings: EmbeddingCollection = model.embeddings
         self.mode = cfg.trainer.embedding_sync
@@ -156,6 +162,7 @@ class EmbeddingSync:
             self.replicas = {id(g): _Replica(g) for g in self.embeddings.groups if isinstance(g, CachedGroup)}
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
         self.syncs = 0
+        self.early_syncs = 0  # asked for by rank 0's prefetcher, to free cache slots
         self.rows_synced = 0
 
     # --- the step ------------------------------------------------------------------
@@ -168,6 +175,7 @@ class EmbeddingSync:
         uncached groups in cache_avg) and the loss; returns the global loss.
         cache_avg: marks the cache slots this step touches."""
         tensors = []
+        due = (self.step + 1) % self.every == 0
         for p in self.dense_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -177,6 +185,7 @@ class EmbeddingSync:
             if replica is not None:
                 with group.cond:
                     replica.unsynced[plan.slots] = True
+                    replica.sync_due = due
                 continue
             if rows.grad is None:
                 rows.grad = torch.zeros_like(rows)
@@ -188,8 +197,16 @@ class EmbeddingSync:
         return global_loss[0]
 
     def after_step(self, step: int) -> None:
-        if self.replicas and step % self.every == 0:
+        self.step = step
+        if not self.replicas:
+            return
+        if step % self.every == 0:
             self.sync_caches()
+            return
+        for replica in self.replicas.values():
+            with replica.group.cond:
+                replica.sync_due = False
+                replica.group.cond.notify_all()
 
     def sync_caches(self) -> None:
         """cache_avg: average every slot touched since the last sync (all ranks
@@ -212,6 +229,7 @@ class EmbeddingSync:
                     g.dirty[slots] = True  # the averaged value must reach the table
                     replica.syncs += 1
                     replica.sync_requested = False
+                    replica.sync_due = False
                     g.cond.notify_all()
                 self.rows_synced += slots.numel()
             self.syncs += 1
@@ -226,7 +244,9 @@ class EmbeddingSync:
         like Prefetcher."""
         source = union_batches(loader, limit, self.ctx.plan_group)
         if not self.replicas:
-            return Prefetcher(source, lookahead, self.embeddings.release)
+            if lookahead:
+                return Prefetcher(source, lookahead, self.embeddings.release)
+            return PlanAhead(source)
         groups = [(i, g) for i, g in enumerate(self.embeddings.groups) if id(g) in self.replicas]
         return CacheAvgPrefetcher(source, groups, self.embeddings.release, self)
 
@@ -258,8 +278,61 @@ class EmbeddingSync:
     def report(self) -> dict:
         out = {"world_size": self.ctx.world_size, "backend": self.ctx.backend, "embedding_sync": self.mode}
         if self.mode == "cache_avg":
-            out.update(sync_every=self.every, syncs=self.syncs, rows_synced=self.rows_synced)
+            out.update(sync_every=self.every, syncs=self.syncs, early_syncs=self.early_syncs,
+                       rows_synced=self.rows_synced)
         return out
+
+
+class PlanAhead:
+    """Union planning on its own thread, a few batches ahead, when no
+    prefetcher thread would do it: the all-gather of ids then overlaps the
+    step instead of adding its latency to it."""
+
+    def __init__(self, source: Iterator[Batch], depth: int = 4) -> None:
+        self.source = source
+        self.window_used: list[int] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recsys-plan", daemon=True)
+
+    def __enter__(self) -> "PlanAhead":
+        self._thread.start()
+        return self
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for batch in self.source:
+                if not self._put(batch):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # surfaces in the trainer
+            self._put(e)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30 if exc_type is None else 2)
+        try:
+            self.source.close()
+        except ValueError:  # still running on a thread that did not stop
+            pass
 
 
 class CacheAvgPrefetcher:
@@ -334,7 +407,7 @@ class CacheAvgPrefetcher:
         def starved() -> bool:
             """Called by prepare (lock held) when no slot can be evicted: if
             rows wait only for a sync, ask every rank for one."""
-            if replica.sync_requested:
+            if replica.sync_requested or replica.sync_due:  # a sync is coming anyway
                 return True
             waiting = (group.pins == 0) & (group.row_of_slot >= 0) & replica.unsynced
             if not bool(waiting.any()):
@@ -418,6 +491,7 @@ class CacheAvgPrefetcher:
             if item is _DONE:
                 return
             if item is _SYNC:
+                self.sync.early_syncs += 1
                 self.sync.sync_caches()
                 continue
             if isinstance(item, BaseException):

@@ -55,6 +55,9 @@ def summary_table(summary: dict) -> Table:
     mem = summary["embedding_bytes"]
     add("embedding bytes: device / host", f"{_bytes(mem['device'])} / {_bytes(mem['host'])}")
     add("  of which tables / cache / cache index", f"{_bytes(mem['table'])} / {_bytes(mem['cache'])} / {_bytes(mem['index'])}")
+    plan = summary.get("placement_plan")
+    if plan:
+        add("device budget (auto placement)", f"{_bytes(mem['device'])} used of {_bytes(plan['budget_bytes'])}")
     add("peak host RSS", _bytes(summary["peak_host_rss_bytes"]))
     if summary.get("peak_device_bytes") is not None:
         add("peak device memory", _bytes(summary["peak_device_bytes"]))

@@ -22,15 +22,19 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.embeddings.collection import ID_COUNTS, PLANS
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import build_embeddings
+from recsys_cli.embeddings.placement import build_embeddings, plan_auto
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
+from recsys_cli.train import distributed
+from recsys_cli.train.embedding_sync import EmbeddingSync
+from recsys_cli.train.embedding_sync import check as check_embedding_sync
 from recsys_cli.train.metrics import MetricsLog, PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 
-PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "sparse_update", "dense_update", "eval")
+PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communication", "sparse_update", "dense_update",
+          "eval")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,7 +69,10 @@ class Trainer:
         self.run_dir = run_dir
         self.console = console
         tc = cfg.trainer
+        self.dist = distributed.current()  # world_size 1 unless a process group is up
         self.device = resolve_device(tc.device)
+        if self.dist.enabled and self.device.type == "cuda":  # one device per process
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dataset_dir = resolve_dataset(cfg.dataset)
         try:
             self.manifest = load_manifest(self.dataset_dir)
@@ -81,15 +88,23 @@ class Trainer:
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
+        vocab_sizes = [f.vocab_size for f in self.manifest.sparse_features]
+        self.plan = self.plan_placement(features, vocab_sizes, row_optimizer) if cfg.placement.kind == "auto" else None
         embeddings = build_embeddings(
-            features, [f.vocab_size for f in self.manifest.sparse_features], cfg.model.embedding_dim,
-            cfg.placement, cfg.precision, row_optimizer, self.device, tc.seed,
+            features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
+            self.device, tc.seed, **(self.plan_overrides() if self.plan else {}),
         )
+        if self.plan is not None and embeddings.memory()["device"] > self.plan.budget_bytes:
+            raise RuntimeError(  # the planner's byte model and the allocation disagree: a bug, not bad input
+                f"placement plan allocated {embeddings.memory()['device']} device bytes, over the budget "
+                f"{self.plan.budget_bytes}"
+            )
         self.model = DLRM(
             len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
             cfg.model.interaction,
         ).to(self.device)
         self.embeddings = embeddings
+        check_embedding_sync(cfg, embeddings)
         if opt.name == "sgd":
             self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr)
         else:
@@ -97,7 +112,8 @@ class Trainer:
                 self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator
             )
 
-        loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth)
+        loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
+                           rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
         self.train_loader = ShardLoader(
             self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
             keep_sessions=cfg.dedup.enabled if cfg.dedup.keep_sessions is None else cfg.dedup.keep_sessions,
@@ -117,7 +133,7 @@ class Trainer:
             )
 
         self.timer = PhaseTimer(self.device)
-        self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None)
+        self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and self.dist.is_main else None)
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0
         self.epoch = 0
@@ -129,13 +145,38 @@ class Trainer:
         self.evals: list[dict] = []
         self.window_used: list[int] = []
         self.id_counts = torch.zeros(3, len(features), dtype=torch.int64)  # batch ids, looked up, distinct
+        self.sync: EmbeddingSync | None = None
         if tc.resume:
             self.resume(tc.resume)
+        if self.dist.enabled:
+            self.sync = EmbeddingSync(cfg, self.dist, self.model, self.timer, step=self.step)
+
+    def plan_placement(self, features, vocab_sizes, row_optimizer):
+        """placement=auto: plan from the skew of the first training batches."""
+        cfg = self.cfg
+        sample = ShardLoader(self.dataset_dir, "train", cfg.trainer.batch_size, shuffle=True, seed=cfg.trainer.seed)
+        batches = []
+        for batch in sample:
+            batches.append(batch.sparse)
+            if len(batches) == 64:
+                break
+        plan = plan_auto(features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
+                         row_optimizer, batches)
+        if self.console is not None:
+            self.console.print(plan.table(), width=max(self.console.width, 140))
+        return plan
+
+    def plan_overrides(self) -> dict:
+        """build_embeddings arguments that realise the plan: device tables in
+        fp32, the others in the run's precision behind one lookahead cache."""
+        plan = self.plan
+        precisions = {t: ("fp32" if p == "device" else self.cfg.precision.kind) for t, p in plan.placements.items()}
+        return {"placements": plan.placements, "precisions": precisions, "cache_rows": plan.total_cache_rows or None}
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
         tc = self.cfg.trainer
-        progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress, console=self.console)
+        progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
         running_loss, running_steps, last_log = torch.zeros((), device=self.device), 0, time.perf_counter()
         start = time.perf_counter()
         with progress:
@@ -181,7 +222,12 @@ class Trainer:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
         ahead = [(i, g) for i, g in enumerate(self.embeddings.groups) if getattr(g, "lookahead", False)]
-        with Prefetcher(iter(self.train_loader), ahead, self.embeddings.release) as batches:
+        if self.sync is not None:  # union plans; cache_avg: rank 0 fills every rank's cache
+            limit = min(self.train_loader.num_batches - self.batch_in_epoch, self.total_steps - self.step)
+            stream = self.sync.batches(self.train_loader, limit, ahead)
+        else:
+            stream = Prefetcher(iter(self.train_loader), ahead, self.embeddings.release)
+        with stream as batches:
             try:
                 yield from batches
             finally:  # also when the caller stops early (max_steps)
@@ -194,15 +240,19 @@ class Trainer:
         batch = self.to_device(batch)
         with timer.phase("embedding_forward"):
             for group, plan in zip(self.embeddings.groups, batch.extras[PLANS]):
-                if not getattr(group, "lookahead", False):
+                if not getattr(group, "lookahead", False) and plan.slots is None:
                     group.prepare(plan)
             pooled = model.embeddings(batch)
         with timer.phase("mlp_forward"):
             logits = model.dense_forward(batch.dense, pooled)
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            if self.sync is not None:  # this rank's share of the global batch's mean
+                loss = loss * self.sync.loss_scale(batch)
         with timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
+        if self.sync is not None:  # average gradients (and the loss) across ranks
+            loss = self.sync.average_gradients(loss)
         with timer.phase("sparse_update"):
             self.embeddings.step()
             self.embeddings.release(batch)
@@ -211,7 +261,9 @@ class Trainer:
         self.count_dedup(batch)
         self.step += 1
         self.batch_in_epoch += 1
-        self.samples += batch.size
+        self.samples += batch.size if self.sync is None else self.cfg.trainer.batch_size
+        if self.sync is not None:
+            self.sync.after_step(self.step)
         return loss
 
     def to_device(self, batch: Batch) -> Batch:
@@ -247,13 +299,20 @@ class Trainer:
     def evaluate(self, split: str) -> dict:
         self.model.eval()
         logits, labels = [], []
+        if self.sync is not None:
+            self.sync.before_eval()
         with self.timer.phase("eval"):
             for batch in self.eval_loaders[split]:
+                if self.sync is not None:
+                    self.sync.serve_eval_rows(batch)
                 batch = self.to_device(batch)
                 logits.append(self.model(batch).float().cpu())
                 labels.append(batch.labels.cpu())
         self.model.train()
-        return binary_metrics(torch.cat(logits), torch.cat(labels))
+        logits, labels = torch.cat(logits), torch.cat(labels)
+        if self.sync is not None:  # the whole split: every rank's predictions
+            logits, labels = self.sync.gather_predictions(logits, labels)
+        return binary_metrics(logits, labels)
 
     def evaluate_and_log(self, split: str) -> dict:
         result = self.evaluate(split)
@@ -282,6 +341,10 @@ class Trainer:
     def save(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
+        if self.sync is not None:
+            self.sync.before_checkpoint()
+            if not self.dist.is_main:  # rank 0 writes; every rank restores
+                return None
         return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
 
     def resume(self, resume: str) -> None:
@@ -293,6 +356,8 @@ class Trainer:
                 path = ckpt.find_latest_run_checkpoint(outputs)
         else:
             path = ckpt.find_checkpoint(resume)
+        if self.dist.enabled:  # every rank loads the checkpoint rank 0 chose
+            path = distributed.broadcast_object(path)
         state = ckpt.load_checkpoint(path)
         expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
         if state["features"] != expected:
@@ -329,13 +394,19 @@ class Trainer:
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
             "cache": self.embeddings.stats(),
+            "placement_plan": None if self.plan is None else {
+                "budget_bytes": self.plan.budget_bytes, "expected_bytes": self.plan.expected_bytes,
+                "placements": self.plan.placements, "cache_rows": self.plan.cache_rows, "reasons": self.plan.reasons,
+            },
             "duplication": self.duplication(),
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if self.window_used:
             summary["cache"]["window_used_min"] = min(self.window_used)
             summary["cache"]["window_used_mean"] = sum(self.window_used) / len(self.window_used)
-        if self.run_dir is not None:
+        if self.sync is not None:
+            summary["distributed"] = self.sync.report()
+        if self.run_dir is not None and self.dist.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
         self.log.close()
         return summary

@@ -1,0 +1,260 @@
+"""Multi-process training: 2 gloo processes on CPU against one process with the same global batch.
+
+The workers are started through the launcher the CLI uses (distributed.launch,
+torch's elastic launcher); one launch trains every configuration in turn and
+returns rank 0's losses and weights, so the process start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recsys_cli.config import TrainConfig
+from recsys_cli.errors import UserError
+from recsys_cli.train import distributed
+from recsys_cli.train.trainer import Trainer, resolve_dataset
+
+NPROC = 2
+STEPS = 30
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
+LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placement__window=4)
+
+
+def config(cache_dir, **overrides):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.dataset.cache_dir = str(cache_dir)
+    cfg.dataset.synthetic.rows = 20000
+    cfg.dataset.synthetic.cardinality_scale = 0.0005
+    cfg.trainer.progress = False
+    cfg.trainer.batch_size = 128
+    cfg.trainer.log_every = 10
+    cfg.trainer.max_steps = STEPS
+    cfg.trainer.dist_timeout = 60
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
+    return cfg
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Dense parameters and every table in fp32 (cache rows where resident)."""
+    out = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    for g in trainer.embeddings.groups:
+        for t in g.tables:
+            lo = g.row_offset[t.name]
+            out[f"table.{t.name}"] = g.read(torch.arange(lo, lo + t.num_rows)).clone()
+    return out
+
+
+def result(trainer: Trainer) -> dict:
+    return {"losses": list(trainer.step_losses), "weights": weights(trainer), "evals": list(trainer.evals),
+            "distributed": trainer.sync.report() if trainer.sync is not None else None}
+
+
+def train_runs(runs: list[tuple[str, dict]]) -> dict | None:
+    """A worker: train every (name, config) in turn; rank 0 returns the results."""
+    ctx = distributed.init(timeout_s=60, device="cpu")
+    out = {}
+    for name, container in runs:
+        trainer = Trainer(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
+        trainer.record_losses = True
+        trainer.fit()
+        out[name] = result(trainer)
+    distributed.teardown()
+    return out if ctx.is_main else None
+
+
+class FailingTrainer(Trainer):
+    """Rank 1 raises after a few steps: the public Trainer API, nothing test-only in the code."""
+
+    def train_step(self, batch):
+        if self.dist.rank == 1 and self.step == 3:
+            raise RuntimeError("rank 1 fails on purpose")
+        return super().train_step(batch)
+
+
+def failing_run(container: dict) -> None:
+    distributed.init(timeout_s=60, device="cpu")
+    FailingTrainer(OmegaConf.merge(OmegaConf.structured(TrainConfig), container)).fit()
+    distributed.teardown()
+
+
+def plain(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def single(cfg) -> dict:
+    trainer = Trainer(cfg)
+    trainer.record_losses = True
+    trainer.fit()
+    return result(trainer)
+
+
+def assert_same(got: dict, ref: dict, rel: float = 1e-5) -> None:
+    """Per-step losses within `rel`; every weight within `rel` of itself or of its tensor's largest value."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=rel, atol=0)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=rel, atol=rel * float(w.abs().max()), msg=name)
+
+
+def drift(got: dict, ref: dict) -> float:
+    """Largest difference of a weight from the reference, relative to that tensor's largest value."""
+    return max(float((got["weights"][k] - w).abs().max() / w.abs().max().clamp_min(1e-12)) for k, w in ref["weights"].items())
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recsys-cache")
+    resolve_dataset(config(path).dataset)  # generate once, before any worker starts
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """Every two-process run of this file, in one launch."""
+    ckpt = tmp_path_factory.mktemp("ck")
+    configs = {
+        "device": config(cache_dir),
+        "lookahead": config(cache_dir, **LOOKAHEAD),
+        "cache_avg_1": config(cache_dir, **LOOKAHEAD, trainer__embedding_sync="cache_avg", trainer__sync_every=1),
+        "cache_avg_10": config(cache_dir, **LOOKAHEAD, trainer__embedding_sync="cache_avg", trainer__sync_every=10),
+        "half": config(cache_dir, **LOOKAHEAD, trainer__max_steps=STEPS // 2, trainer__checkpoint_dir=str(ckpt)),
+    }
+    start = time.perf_counter()
+    out = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])[0]
+    print(f"\n{NPROC}-process runs: {time.perf_counter() - start:.1f} s")
+    out["checkpoint_dir"] = ckpt
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir):
+    """One process, the same global batch (device placement; lookahead is bit-for-bit the same)."""
+    return single(config(cache_dir))
+
+
+@pytest.mark.parametrize("placement", ["device", "lookahead"])
+def test_grad_sync_equals_one_process_with_the_global_batch(runs, reference, placement):
+    assert len(runs[placement]["losses"]) == STEPS
+    assert_same(runs[placement], reference)
+
+
+def test_evaluation_covers_the_whole_split(runs, reference):
+    for got, ref in zip(runs["device"]["evals"], reference["evals"]):
+        assert got["split"] == ref["split"] and got["samples"] == ref["samples"] == 2000
+        assert got["auc"] == pytest.approx(ref["auc"], abs=1e-4)
+        assert got["logloss"] == pytest.approx(ref["logloss"], rel=1e-4)
+
+
+def test_cache_avg_every_step_equals_grad_sync_under_sgd(runs):
+    assert runs["cache_avg_1"]["distributed"]["syncs"] >= STEPS
+    assert_same(runs["cache_avg_1"], runs["lookahead"])
+
+
+def test_cache_avg_every_10_steps_drifts_a_little(runs):
+    got, ref = runs["cache_avg_10"], runs["lookahead"]
+    report = got["distributed"]
+    value = drift(got, ref)
+    loss_gap = max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"]))
+    print(f"\ncache_avg sync_every=10: {report['syncs']} syncs, max relative weight drift from grad sync {value:.2e}, "
+          f"max relative loss gap {loss_gap:.2e}, val AUC {got['evals'][-2]['auc']:.4f} vs {ref['evals'][-2]['auc']:.4f}")
+    assert 0 < value < 0.5 and math.isfinite(value)
+    assert loss_gap < 0.05
+    assert STEPS // 10 <= report["syncs"]
+
+
+def test_resume_with_another_number_of_processes(runs, cache_dir, reference):
+    """Half the steps on 2 processes, the rest on 1: the one-process trajectory."""
+    resumed = single(config(cache_dir, trainer__checkpoint_dir=str(runs["checkpoint_dir"]), trainer__resume="true"))
+    assert len(resumed["losses"]) == STEPS - STEPS // 2
+    assert_same({**resumed, "losses": runs["half"]["losses"] + resumed["losses"]}, reference)
+
+
+def test_cache_avg_needs_a_cache(cache_dir):
+    with pytest.raises(UserError, match="cache_avg .* no table behind a cache"):
+        Trainer(config(cache_dir, trainer__embedding_sync="cache_avg"))
+
+
+def test_a_failing_rank_stops_the_run(cache_dir):
+    start = time.perf_counter()
+    with pytest.raises(distributed.WorkerFailed) as failure:
+        distributed.launch(failing_run, NPROC, plain(config(cache_dir, **LOOKAHEAD, trainer__max_steps=1000)))
+    elapsed = time.perf_counter() - start
+    assert failure.value.rank == 1
+    assert "rank 1 fails on purpose" in str(failure.value)
+    assert elapsed < 30, f"the run took {elapsed:.1f} s to fail"
+
+
+def _workers(parent: int) -> list[int]:
+    """pids of the elastic launcher's workers (spawned children) under `parent`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_cli_two_processes_then_a_killed_worker(tmp_path):
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    args = [RECSYS, "train", *SMALL, "trainer.nproc=2", "trainer.progress=false", "trainer.log_every=10"]
+    ok = subprocess.run([*args, "trainer.max_steps=20", "hydra.run.dir=run"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.count("val AUC") == 1 and "2 processes" in ok.stdout  # rank 0 prints, once
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [10, 20]  # one writer
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["distributed"]["world_size"] == 2 and summary["samples"] == 20 * 256
+    assert summary["final"]["val"]["samples"] == 2000
+    assert (tmp_path / "run" / "checkpoints" / "step-00000020.pt").exists()
+
+    proc = subprocess.Popen([*args, "trainer.max_steps=100000", "trainer.epochs=100", "hydra.run.dir=killed"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.1)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGKILL)
+        killed_at = time.time()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None)
+    assert time.time() - killed_at < 30
+    assert re.search(rf"error: rank [01] \(pid {workers[-1]}\) died: .*SIGKILL", stderr), stderr[-2000:]
+
+
+def test_torchrun_ranks_share_rank_0s_run_directory(tmp_path):
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "recsys_cli",
+                          "train", *SMALL, "trainer.max_steps=10", "trainer.progress=false"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("val AUC") == 1 and "2 processes" in run.stdout
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs  # rank 1 composed its config elsewhere
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["distributed"]["world_size"] == 2 and summary["steps"] == 10

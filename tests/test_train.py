@@ -214,3 +214,17 @@ def test_dedup_on_equals_off_on_session_data(cache_dir, placement):
     assert dup_on["duplicated_ids"] == pytest.approx(dup_off["duplicated_ids"])  # same batches
     assert dup_on["duplicated_ids"] > 0.5 and dup_on["lookups_saved_by_dedup"] > 0.3
     assert dup_off["lookups_saved_by_dedup"] == 0.0
+
+
+@pytest.mark.parametrize("budget", ["48KiB", "300KiB", "64MiB"])
+def test_auto_placement_stays_within_the_budget(cache_dir, tmp_path, budget):
+    from recsys_cli.embeddings.planner import parse_bytes
+
+    trainer = Trainer(config(cache_dir, placement__kind="auto", placement__device_memory_budget=budget,
+                             trainer__max_steps=30), run_dir=tmp_path)
+    summary = trainer.fit()
+    used, plan = summary["embedding_bytes"]["device"], summary["placement_plan"]
+    assert used <= parse_bytes(budget) and used == plan["expected_bytes"]["device"]
+    kinds = set(plan["placements"].values())
+    assert kinds == {"device"} if budget == "64MiB" else "lookahead" in kinds
+    assert summary["final"]["val"]["auc"] > 0.5

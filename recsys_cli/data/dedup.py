@@ -205,11 +205,49 @@ def _unique_bags_exact(values: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return inverse
 
 
+def _repeats_previous(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """bool [B]: bag b is element-wise equal to bag b - 1 (exact, O(ids)).
+
+    Session-clustered batches hold a session's samples next to each other and
+    a history bag is shared by the whole session, so most duplicates are
+    adjacent: finding them first leaves the hashing below only one bag per run.
+    """
+    B, n = lengths.numel(), values.numel()
+    same = torch.zeros(B, dtype=torch.bool, device=values.device)
+    if B < 2:
+        return same
+    same[1:] = lengths[1:] == lengths[:-1]
+    if n:
+        bag_of = torch.repeat_interleave(torch.arange(B, device=values.device), lengths, output_size=n)
+        prev_len = torch.zeros(B, dtype=torch.int64, device=values.device)
+        prev_len[1:] = lengths[:-1]
+        # Element j of bag b sits prev_len[b] ids after element j of bag b - 1.
+        partner = (torch.arange(n, device=values.device) - prev_len[bag_of]).clamp_(min=0)
+        differs = same[bag_of] & (values != values[partner])
+        same &= torch.zeros(B, dtype=torch.int64, device=values.device).index_add_(0, bag_of, differs.long()) == 0
+    return same
+
+
 def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct bags of one key with variable bag lengths: (inverse [B], rep [U]).
 
     ``rep[u]`` is the first sample holding bag u; bags are numbered by first occurrence.
+    Runs of equal adjacent bags are collapsed first; their first bags are then
+    deduplicated by hashing (`_unique_run_heads`).
     """
+    repeat = _repeats_previous(values, lengths)
+    if not bool(repeat.any()):
+        return _unique_run_heads(values, lengths)
+    heads = torch.nonzero(~repeat).flatten()
+    head_lengths = lengths[heads]
+    head_values = _gather_bags(values, _exclusive_cumsum(lengths), heads, head_lengths)
+    head_inverse, head_rep = _unique_run_heads(head_values, head_lengths)
+    run_of = torch.cumsum((~repeat).long(), 0) - 1
+    return head_inverse[run_of], heads[head_rep]
+
+
+def _unique_run_heads(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct bags by a 64-bit polynomial hash, verified element-wise."""
     B = lengths.numel()
     device = values.device
     offsets = _exclusive_cumsum(lengths)
@@ -255,6 +293,27 @@ def _first_occurrence_order(inverse: torch.Tensor) -> torch.Tensor:
     return rank[inverse]
 
 
+def _dedup_onehot_keys(kjt: KeyedJaggedTensor, keys: list[int], key_off: list[int]) -> dict:
+    """{key: (sorted distinct ids, inverse [B])} for one-hot keys, with one
+    torch.unique over all of them (ids shifted apart per key) instead of one a key."""
+    if not keys:
+        return {}
+    B = kjt.stride
+    vals = torch.stack([kjt.values[key_off[f] : key_off[f] + B] for f in keys])  # [K, B]
+    low = vals.amin()
+    span = int(vals.amax() - low) + 1
+    shifted = (vals - low) + torch.arange(len(keys), device=vals.device).view(-1, 1) * span
+    distinct, inverse = torch.unique(shifted, sorted=True, return_inverse=True)
+    key_of = torch.div(distinct, span, rounding_mode="floor")
+    counts = torch.bincount(key_of, minlength=len(keys))
+    starts = _exclusive_cumsum(counts)
+    out = {}
+    for k, f in enumerate(keys):
+        lo, hi = int(starts[k]), int(starts[k + 1])
+        out[f] = (distinct[lo:hi] - k * span + low, inverse[k] - lo)
+    return out
+
+
 def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
     """Deduplicate every key of a batch (exact; vectorised per key)."""
     F, B = len(kjt.keys), kjt.stride
@@ -271,11 +330,15 @@ def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
         )
     key_off = _exclusive_cumsum(lengths.sum(1)).tolist()
     lmin, lmax = (t.tolist() for t in lengths.aminmax(dim=1))
+    onehot = _dedup_onehot_keys(kjt, [f for f in range(F) if lmin[f] == lmax[f] == 1], key_off)
     out_values, out_lengths, counts, inverses = [], [], [], []
     for f in range(F):
         vals = kjt.values[key_off[f] : key_off[f + 1]]
         lens = lengths[f]
-        if lmin[f] == lmax[f] == 0:  # every bag empty: one distinct (empty) bag
+        if f in onehot:
+            u_vals, inv = onehot[f]
+            u_lens = torch.ones(u_vals.numel(), dtype=torch.int64, device=device)
+        elif lmin[f] == lmax[f] == 0:  # every bag empty: one distinct (empty) bag
             u_vals = vals
             u_lens = torch.zeros(1, dtype=torch.int64, device=device)
             inv = torch.zeros(B, dtype=torch.int64, device=device)

@@ -50,6 +50,10 @@ def record(section: str, columns: list[str], rows: list[dict], command: str, not
         end = text.find("\n## ", start + len(title))
         end = len(text) if end == -1 else end
         section_text = text[start:end].rstrip("\n")
+        header_line = "| " + " | ".join(header) + " |"
+        last_header = [ln for ln in section_text.splitlines() if ln.startswith("| date |")][-1:]
+        if last_header != [header_line]:  # the columns changed: a new table under the old one
+            lines = ["", header_line, "|" + "---|" * len(header), *lines]
         text = text[:start] + section_text + "\n" + "\n".join(lines) + "\n" + text[end:]
     tmp = DOC.with_suffix(".md.tmp")
     tmp.write_text(text)
@@ -60,6 +64,8 @@ def _fmt(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
+        if v != 0 and abs(v) < 0.01:
+            return f"{v:.2g}"
         return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.0f}"
     if isinstance(v, int):
         return f"{v:,}"

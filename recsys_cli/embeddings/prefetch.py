@@ -24,6 +24,12 @@ _DONE = object()
 
 
 class Prefetcher:
+    """Subclasses change how a plan is made resident (`_prepare`), what
+    happens when the source runs dry (`_finish`) and which in-stream markers
+    the trainer's thread handles (`_marker`); see train/embedding_sync.py."""
+
+    thread_name = "recsys-prefetch"
+
     def __init__(
         self, batches: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release: Callable[[Batch], None]
     ) -> None:
@@ -34,6 +40,7 @@ class Prefetcher:
         self.release = release
         self.window = min((g.window for g in self.groups), default=0)
         self.window_used: list[int] = []
+        self.lead = True  # takes window slots; a follower replays another process's fills
         self._queue: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(self.window) if groups else None
         self._stop = threading.Event()
@@ -41,30 +48,41 @@ class Prefetcher:
 
     def __enter__(self) -> "Prefetcher":
         if self.groups:
-            self._thread = threading.Thread(target=self._run, name="recsys-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
         return self
+
+    def _prepare(self, group: CachedGroup, plan) -> None:
+        group.prepare(plan)
+
+    def _finish(self) -> None:
+        """The source is exhausted (on the prefetch thread)."""
+
+    def _marker(self, item) -> bool:
+        """Handle a non-batch item on the trainer's thread; True if it was one."""
+        return False
 
     def _run(self) -> None:
         try:
             for batch in self.source:
-                while not self._slots.acquire(timeout=0.1):
-                    if self._stop.is_set():
-                        return
+                if self.lead:
+                    while not self._slots.acquire(timeout=0.1):
+                        if self._stop.is_set():
+                            return
                 if self._stop.is_set():
                     return
                 plans = batch.extras[PLANS]
                 prepared = []
                 try:
                     for index, group in self.indexed_groups:
-                        group.prepare(plans[index])
-                        prepared.append(plans[index])
+                        self._prepare(group, plans[index])
+                        prepared.append((group, plans[index]))
                 except BaseException:
-                    for plan in prepared:
-                        plan_group = next(g for i, g in self.indexed_groups if plans[i] is plan)
-                        plan_group.release(plan)
+                    for group, plan in prepared:
+                        group.release(plan)
                     raise
                 self._queue.put(batch)
+            self._finish()
             self._queue.put(_DONE)
         except PrefetchStopped:
             pass
@@ -81,12 +99,15 @@ class Prefetcher:
                 return
             if isinstance(item, BaseException):
                 raise item
+            if self._marker(item):
+                continue
             # Batches pinned right now, this one included: the window in use.
             self.window_used.append(min(g.inflight for g in self.groups))
-            self._slots.release()
+            if self.lead:
+                self._slots.release()
             yield item
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._thread is None:
             _close(self.source)
             return
@@ -95,7 +116,8 @@ class Prefetcher:
             g.stop.set()
             with g.cond:
                 g.cond.notify_all()
-        self._thread.join(timeout=30)
+        # After an error a peer process may never answer the thread's collective.
+        self._thread.join(timeout=30 if exc_type is None else 2)
         for g in self.groups:
             g.stop.clear()
         # Batches prefetched but never trained on give their pins back.
@@ -112,4 +134,7 @@ class Prefetcher:
 def _close(it) -> None:
     close = getattr(it, "close", None)
     if close is not None:
-        close()
+        try:
+            close()
+        except ValueError:  # a generator still running on a thread that did not stop
+            pass

@@ -335,62 +335,44 @@ class PlanAhead:
             pass
 
 
-class CacheAvgPrefetcher:
+class CacheAvgPrefetcher(Prefetcher):
     """cache_avg's prefetcher. On rank 0 it fills the caches (CachedGroup.prepare)
     at most `window` batches ahead and broadcasts every fill; on the other ranks
     it receives the fills and copies them into the cache replica. SYNC markers
     travel in the batch stream and are handled by the trainer's thread."""
 
+    thread_name = "recsys-cache-fill"
+
     def __init__(self, source: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release, sync: EmbeddingSync) -> None:
-        self.source = source
-        self.indexed_groups = groups
-        self.groups = [g for _, g in groups]
-        self.release = release
+        super().__init__(source, groups, release)
         self.sync = sync
         self.ctx = sync.ctx
         self.lead = self.ctx.is_main
-        self.window = min(g.window for g in self.groups)
-        self.window_used: list[int] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(self.window)
-        self._stop = threading.Event()
         self._sends: list = []  # async SYNC broadcasts in flight (work, tensor)
-        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "CacheAvgPrefetcher":
         if self.lead:
             for g in self.groups:
                 g.on_starved = self._starved_callback(g)
-        self._thread = threading.Thread(target=self._run, name="recsys-cache-fill", daemon=True)
-        self._thread.start()
-        return self
+        return super().__enter__()
 
-    def _run(self) -> None:
-        try:
-            for batch in self.source:
-                if self.lead:
-                    while not self._slots.acquire(timeout=0.1):
-                        if self._stop.is_set():
-                            return
-                if self._stop.is_set():
-                    return
-                plans = batch.extras[PLANS]
-                done = []
-                try:
-                    for index, group in self.indexed_groups:
-                        (self._fill if self.lead else self._mirror)(group, plans[index])
-                        done.append((group, plans[index]))
-                except BaseException:
-                    for group, plan in done:
-                        group.release(plan)
-                    raise
-                self._queue.put(batch)
-            self._wait_sends()
-            self._queue.put(_DONE)
-        except PrefetchStopped:
-            pass
-        except BaseException as e:  # surfaces in the trainer
-            self._queue.put(e)
+    def _prepare(self, group: CachedGroup, plan) -> None:
+        (self._fill if self.lead else self._mirror)(group, plan)
+
+    def _finish(self) -> None:
+        self._wait_sends()
+
+    def _marker(self, item) -> bool:
+        if item is not _SYNC:
+            return False
+        self.sync.early_syncs += 1
+        self.sync.sync_caches()
+        return True
+
+    def __exit__(self, exc_type, *exc) -> None:
+        super().__exit__(exc_type, *exc)
+        for g in self.groups:
+            g.on_starved = None
 
     # --- rank 0 ---------------------------------------------------------------------
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -484,43 +466,3 @@ class CacheAvgPrefetcher:
         plan.slots = slots
         plan.extras["slots_device"] = slots.to(group.device, non_blocking=True)
 
-    # --- the trainer's side ---------------------------------------------------------------
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                return
-            if item is _SYNC:
-                self.sync.early_syncs += 1
-                self.sync.sync_caches()
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            self.window_used.append(min(g.inflight for g in self.groups))
-            if self.lead:
-                self._slots.release()
-            yield item
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self._stop.set()
-        for g in self.groups:
-            g.stop.set()
-            with g.cond:
-                g.cond.notify_all()
-        if self._thread is not None:
-            # After an error a peer may never answer the thread's collective.
-            self._thread.join(timeout=30 if exc_type is None else 2)
-        for g in self.groups:
-            g.stop.clear()
-            g.on_starved = None
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Batch):
-                self.release(item)
-        try:
-            self.source.close()
-        except ValueError:  # still running on a thread that did not stop
-            pass

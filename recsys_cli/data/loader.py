@@ -52,7 +52,7 @@ from data_tools.manifest import (
     load_manifest,
 )
 from recsys_cli.data.batch import Batch
-from recsys_cli.data.dedup import dedup_kjt
+from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
 __all__ = ["ShardLoader"]
@@ -100,6 +100,42 @@ def _jagged_take(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> t
     idx = np.repeat(offsets[:-1][rows].astype(np.int64) - new_off[:-1], lengths)
     idx += np.arange(total, dtype=np.int64)
     return new_off, values[idx].astype(np.int64, copy=False)
+
+
+def _bag_runs(offsets: np.ndarray, values: np.ndarray, perm: np.ndarray | None) -> "_Runs":
+    """A multi-hot column as runs of equal adjacent bags (RecD's reader-side
+    dedup): session-clustered shards store a session's shared history in
+    adjacent rows, so one comparison with the previous row over the file
+    order finds them, and everything after (permutation, batching, lookups)
+    handles one bag per run instead of one per sample."""
+    lo = int(offsets[0])
+    offsets = offsets.astype(np.int64) - lo
+    values = values[lo : lo + int(offsets[-1])]
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    repeat = np.zeros(n, dtype=bool)
+    if n > 1:
+        repeat[1:] = lengths[1:] == lengths[:-1]
+        if len(values):
+            bag_of = np.repeat(np.arange(n), lengths)
+            prev_len = np.zeros(n, dtype=np.int64)
+            prev_len[1:] = lengths[:-1]
+            partner = np.maximum(np.arange(len(values)) - prev_len[bag_of], 0)
+            differs = repeat[bag_of] & (values != values[partner])
+            repeat &= np.bincount(bag_of, weights=differs, minlength=n) == 0
+    heads = np.flatnonzero(~repeat)
+    run_of_row = np.cumsum(~repeat) - 1
+    run_offsets, run_values = _jagged_take(offsets, values, heads)
+    return _Runs(run_offsets, run_values, run_of_row if perm is None else run_of_row[perm])
+
+
+class _Runs:
+    """Bags of one multi-hot column, one per run of equal rows."""
+
+    __slots__ = ("offsets", "values", "run_of_row")
+
+    def __init__(self, offsets: np.ndarray, values: np.ndarray, run_of_row: np.ndarray) -> None:
+        self.offsets, self.values, self.run_of_row = offsets, values, run_of_row
 
 
 def _session_permutation(session: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -315,6 +351,9 @@ class ShardLoader:
             arr = col(f)
             offsets = arr.offsets.to_numpy()
             values = arr.values.to_numpy(zero_copy_only=False)
+            if self.dedup:
+                multi.append(_bag_runs(offsets, values, perm))
+                continue
             if perm is None:
                 lo = int(offsets[0])
                 multi.append((offsets.astype(np.int64) - lo, values[lo : int(offsets[-1])].astype(np.int64)))
@@ -327,6 +366,42 @@ class ShardLoader:
             labels, dense = labels[perm], dense[perm]
             session = None if session is None else session[perm]
         return _Chunk(labels, dense, session, onehot, multi)
+
+    def _assemble_dedup(self, pieces: list[tuple[_Chunk, int, int]], B: int) -> InverseKeyedJaggedTensor:
+        """The batch's sparse part as an InverseKeyedJaggedTensor, built from
+        the chunks' bag runs without expanding multi-hot bags per sample."""
+        values, lengths, counts, inverse = [], [], [], []
+        for f in self.features:
+            if self._multi_hot[f]:
+                k = self._multi_keys.index(f)
+                runs = [(c.multi[k], c.multi[k].run_of_row[a:b]) for c, a, b in pieces]
+                # Runs of different chunks are different bags: number them apart.
+                base = np.cumsum([0] + [len(r.offsets) - 1 for r, _ in runs])
+                ids = np.concatenate([rr + base[i] for i, (_, rr) in enumerate(runs)]) if runs else np.zeros(0, np.int64)
+                uniq, inv = np.unique(ids, return_inverse=True)
+                for i, (r, _) in enumerate(runs):
+                    mine = uniq[(uniq >= base[i]) & (uniq < base[i + 1])] - base[i]
+                    off, vals = _jagged_take(r.offsets, r.values, mine)
+                    values.append(vals)
+                    lengths.append(np.diff(off))
+                counts.append(len(uniq))
+                inverse.append(inv.reshape(-1))
+            else:
+                j = self._onehot_keys.index(f)
+                ids = np.concatenate([c.onehot[j, a:b] for c, a, b in pieces]) if pieces else np.zeros(0, np.int64)
+                uniq, inv = np.unique(ids, return_inverse=True)
+                values.append(uniq.astype(np.int64))
+                lengths.append(np.ones(len(uniq), np.int64))
+                counts.append(len(uniq))
+                inverse.append(inv.reshape(-1))
+        return InverseKeyedJaggedTensor(
+            keys=list(self.features),
+            values=torch.from_numpy(np.concatenate(values) if values else np.zeros(0, np.int64)),
+            lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int64)),
+            unique_counts=counts,
+            inverse=torch.from_numpy(np.stack(inverse) if inverse else np.zeros((0, B), np.int64)).view(len(self.features), B),
+            stride=B,
+        )
 
     def _assemble(self, pieces: list[tuple[_Chunk, int, int]]) -> Batch:
         """A Batch from row ranges [a, b) of decoded chunks, in order."""
@@ -344,6 +419,9 @@ class ShardLoader:
             session = torch.from_numpy(cat([c.session[a:b] for c, a, b in pieces], np.zeros(0, np.int64)))
         B = len(labels)
         F = len(self.features)
+        if self.dedup and self._multi_keys:
+            return Batch(dense=torch.from_numpy(dense), sparse=self._assemble_dedup(pieces, B),
+                         labels=torch.from_numpy(labels), session=session)
         if not self._multi_keys:
             if len(pieces) == 1:
                 c, a, b = pieces[0]
@@ -422,7 +500,7 @@ class ShardLoader:
                     pieces.append((chunk, int(max(s, starts[q]) - starts[q]), int(min(e, ends[q]) - starts[q])))
                     q += 1
                 batch = self._assemble(pieces)
-                if self.dedup:
+                if self.dedup and not self._multi_keys:  # multi-hot batches come deduplicated
                     batch.sparse = dedup_kjt(batch.sparse)
                 if self.transform is not None:
                     batch = self.transform(batch)

@@ -117,12 +117,18 @@ def _bag_runs(offsets: np.ndarray, values: np.ndarray, perm: np.ndarray | None) 
     if n > 1:
         repeat[1:] = lengths[1:] == lengths[:-1]
         if len(values):
-            bag_of = np.repeat(np.arange(n), lengths)
             prev_len = np.zeros(n, dtype=np.int64)
             prev_len[1:] = lengths[:-1]
-            partner = np.maximum(np.arange(len(values)) - prev_len[bag_of], 0)
-            differs = repeat[bag_of] & (values != values[partner])
-            repeat &= np.bincount(bag_of, weights=differs, minlength=n) == 0
+            # Element j of bag b sits prev_len[b] ids after element j of bag b - 1.
+            partner = np.arange(len(values), dtype=np.int64)
+            partner -= np.repeat(prev_len, lengths)
+            np.maximum(partner, 0, out=partner)
+            differs = values != values[partner]
+            differs &= np.repeat(repeat, lengths)
+            nonempty = lengths > 0  # segments of empty bags are empty: nothing differs
+            bad = np.zeros(n, dtype=bool)
+            bad[nonempty] = np.logical_or.reduceat(differs, offsets[:-1][nonempty])
+            repeat &= ~bad
     heads = np.flatnonzero(~repeat)
     run_of_row = np.cumsum(~repeat) - 1
     run_offsets, run_values = _jagged_take(offsets, values, heads)

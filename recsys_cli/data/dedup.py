@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from recsys_cli.data.jagged import KeyedJaggedTensor
@@ -205,27 +206,35 @@ def _unique_bags_exact(values: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return inverse
 
 
-def _repeats_previous(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def repeats_previous(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """bool [B]: bag b is element-wise equal to bag b - 1 (exact, O(ids)).
 
-    Session-clustered batches hold a session's samples next to each other and
-    a history bag is shared by the whole session, so most duplicates are
-    adjacent: finding them first leaves the hashing below only one bag per run.
+    Session-clustered data holds a session's samples next to each other and a
+    history bag is shared by the whole session, so most duplicates are
+    adjacent. The loader runs this once per row group (reader-side dedup);
+    dedup_kjt runs it per batch before hashing what is left.
     """
-    B, n = lengths.numel(), values.numel()
-    same = torch.zeros(B, dtype=torch.bool, device=values.device)
-    if B < 2:
-        return same
-    same[1:] = lengths[1:] == lengths[:-1]
-    if n:
-        bag_of = torch.repeat_interleave(torch.arange(B, device=values.device), lengths, output_size=n)
-        prev_len = torch.zeros(B, dtype=torch.int64, device=values.device)
+    n = len(lengths)
+    repeat = np.zeros(n, dtype=bool)
+    if n < 2:
+        return repeat
+    repeat[1:] = lengths[1:] == lengths[:-1]
+    if len(values):
+        prev_len = np.zeros(n, dtype=np.int64)
         prev_len[1:] = lengths[:-1]
         # Element j of bag b sits prev_len[b] ids after element j of bag b - 1.
-        partner = (torch.arange(n, device=values.device) - prev_len[bag_of]).clamp_(min=0)
-        differs = same[bag_of] & (values != values[partner])
-        same &= torch.zeros(B, dtype=torch.int64, device=values.device).index_add_(0, bag_of, differs.long()) == 0
-    return same
+        partner = np.arange(len(values), dtype=np.int64)
+        partner -= np.repeat(prev_len, lengths)
+        np.maximum(partner, 0, out=partner)
+        differs = values != values[partner]
+        differs &= np.repeat(repeat, lengths)
+        nonempty = lengths > 0  # an empty bag's segment is empty: nothing differs
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        bad = np.zeros(n, dtype=bool)
+        bad[nonempty] = np.logical_or.reduceat(differs, starts[nonempty])
+        repeat &= ~bad
+    return repeat
 
 
 def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +244,7 @@ def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Ten
     Runs of equal adjacent bags are collapsed first; their first bags are then
     deduplicated by hashing (`_unique_run_heads`).
     """
-    repeat = _repeats_previous(values, lengths)
+    repeat = torch.from_numpy(repeats_previous(values.cpu().numpy(), lengths.cpu().numpy())).to(values.device)
     if not bool(repeat.any()):
         return _unique_run_heads(values, lengths)
     heads = torch.nonzero(~repeat).flatten()

@@ -52,7 +52,7 @@ from data_tools.manifest import (
     load_manifest,
 )
 from recsys_cli.data.batch import Batch
-from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt
+from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt, repeats_previous
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
 __all__ = ["ShardLoader"]
@@ -111,24 +111,7 @@ def _bag_runs(offsets: np.ndarray, values: np.ndarray, perm: np.ndarray | None) 
     lo = int(offsets[0])
     offsets = offsets.astype(np.int64) - lo
     values = values[lo : lo + int(offsets[-1])]
-    lengths = np.diff(offsets)
-    n = len(lengths)
-    repeat = np.zeros(n, dtype=bool)
-    if n > 1:
-        repeat[1:] = lengths[1:] == lengths[:-1]
-        if len(values):
-            prev_len = np.zeros(n, dtype=np.int64)
-            prev_len[1:] = lengths[:-1]
-            # Element j of bag b sits prev_len[b] ids after element j of bag b - 1.
-            partner = np.arange(len(values), dtype=np.int64)
-            partner -= np.repeat(prev_len, lengths)
-            np.maximum(partner, 0, out=partner)
-            differs = values != values[partner]
-            differs &= np.repeat(repeat, lengths)
-            nonempty = lengths > 0  # segments of empty bags are empty: nothing differs
-            bad = np.zeros(n, dtype=bool)
-            bad[nonempty] = np.logical_or.reduceat(differs, offsets[:-1][nonempty])
-            repeat &= ~bad
+    repeat = repeats_previous(values, np.diff(offsets))
     heads = np.flatnonzero(~repeat)
     run_of_row = np.cumsum(~repeat) - 1
     run_offsets, run_values = _jagged_take(offsets, values, heads)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import train_config
 import torch
 from omegaconf import OmegaConf
 
@@ -34,18 +35,7 @@ LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placem
 
 
 def config(cache_dir, **overrides):
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.dataset.cache_dir = str(cache_dir)
-    cfg.dataset.synthetic.rows = 20000
-    cfg.dataset.synthetic.cardinality_scale = 0.0005
-    cfg.trainer.progress = False
-    cfg.trainer.batch_size = 128
-    cfg.trainer.log_every = 10
-    cfg.trainer.max_steps = STEPS
-    cfg.trainer.dist_timeout = 60
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
-    return cfg
+    return train_config.config(cache_dir, **{"trainer__max_steps": STEPS, "trainer__dist_timeout": 60, **overrides})
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from recsys_cli.config import TrainConfig
 from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
+from train_config import config
 
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
@@ -26,19 +25,6 @@ SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("recsys-cache")
-
-
-def config(cache_dir, **overrides) -> TrainConfig:
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.dataset.cache_dir = str(cache_dir)
-    cfg.dataset.synthetic.rows = 20000
-    cfg.dataset.synthetic.cardinality_scale = 0.0005
-    cfg.trainer.progress = False
-    cfg.trainer.batch_size = 128
-    cfg.trainer.log_every = 10
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
-    return cfg
 
 
 def train(cfg, run_dir=None) -> Trainer:

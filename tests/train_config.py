@@ -1,0 +1,22 @@
+"""The small TrainConfig the trainer tests build runs from."""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from recsys_cli.config import TrainConfig
+
+
+def config(cache_dir, **overrides) -> TrainConfig:
+    """Synthetic data of 20k rows in `cache_dir`, batch 128, no progress bar;
+    overrides as keyword arguments with `__` for dots (trainer__max_steps=30)."""
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.dataset.cache_dir = str(cache_dir)
+    cfg.dataset.synthetic.rows = 20000
+    cfg.dataset.synthetic.cardinality_scale = 0.0005
+    cfg.trainer.progress = False
+    cfg.trainer.batch_size = 128
+    cfg.trainer.log_every = 10
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
+    return cfg

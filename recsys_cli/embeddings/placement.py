@@ -56,7 +56,7 @@ def build_embeddings(
         groups.setdefault((placements[t.name], precisions[t.name]), []).append(t)
     built = []
     for index, ((kind, table_precision), specs) in enumerate(groups.items()):
-        weights = torch.cat([init_table(t, seed * 1000 + features.index(t.name)) for t in specs])
+        weights = torch.cat([init_table(t, seed) for t in specs])
         group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
                            seed + index, cache_rows)
         built.append(([t.name for t in specs], group))

@@ -13,6 +13,8 @@ and how they get to the device, is the group's business:
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +31,69 @@ class TableSpec:
     dim: int
 
 
+# Counter-based initialisation. A row's initial values are a function of
+# (seed, table name, row) only: no generator state is carried from row to row,
+# so a table built in one piece, in chunks, on another device, in another
+# placement or precision, or by another process starts from the same fp32
+# values. The draw is murmur3's 32-bit finaliser applied to the element's
+# index, all in int64 arithmetic that never overflows (so CPU and CUDA agree),
+# and the uniform comes from 24 bits of the hash with one fp32 multiply.
+_MASK32 = 0xFFFFFFFF
+_INIT_CHUNK_ELEMENTS = 1 << 16  # values per piece: temporaries that stay in cache (3x faster than 1 << 20)
+
+
+def _mul32(x: torch.Tensor | int, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32), via 16-bit halves of c so no
+    product leaves int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h):
+    """murmur3's finaliser: a bijection of [0, 2**32) with full avalanche.
+    Works on Python ints and on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def table_key(name: str, seed: int) -> tuple[int, int]:
+    """Two 32-bit keys of a table's initial values, from the run seed and the
+    table's name (not its position among the features)."""
+    name_hash = zlib.crc32(name.encode())
+    k1 = _fmix32((_fmix32(seed & _MASK32) ^ name_hash) & _MASK32)
+    k2 = _fmix32(k1 ^ (seed >> 32 & _MASK32) ^ 0x9E3779B9)
+    return k1, k2
+
+
+def init_rows(spec: TableSpec, row_start: int, row_end: int, seed: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """Initial fp32 rows [row_start, row_end) of table `spec`: uniform in
+    [-b, b) with b = sqrt(1 / num_rows), DLRM's (and TorchRec's) table init,
+    drawn per element from a hash of (seed, table, row, column). Any split
+    of a table into row ranges concatenates to the same tensor, on any
+    device."""
+    if not 0 <= row_start <= row_end <= spec.num_rows:
+        raise ValueError(f"rows [{row_start}, {row_end}) outside table {spec.name} of {spec.num_rows} rows")
+    k1, k2 = table_key(spec.name, seed)
+    index = torch.arange(row_start * spec.dim, row_end * spec.dim, dtype=torch.int64, device=device)
+    h = _fmix32(_fmix32((index & _MASK32) ^ k1) ^ (index >> 32) ^ k2)
+    code = (h >> 8).to(torch.int32) - (1 << 23)  # uniform integers in [-2**23, 2**23): exact in fp32
+    bound = torch.tensor(1.0 / math.sqrt(spec.num_rows), dtype=torch.float32).item()
+    return (code.to(torch.float32) * (bound / (1 << 23))).view(row_end - row_start, spec.dim)
+
+
 def init_table(spec: TableSpec, seed: int) -> torch.Tensor:
-    """DLRM's init, uniform(+-1/sqrt(rows)), from a per-table seed so every
-    placement and precision starts from the same fp32 values."""
-    gen = torch.Generator().manual_seed(seed)
-    bound = 1.0 / spec.num_rows**0.5
-    return torch.empty(spec.num_rows, spec.dim).uniform_(-bound, bound, generator=gen)
+    """The whole table's initial rows (init_rows over every row, in chunks
+    that bound the int64 temporaries)."""
+    out = torch.empty(spec.num_rows, spec.dim)
+    step = max(1, _INIT_CHUNK_ELEMENTS // spec.dim)
+    for start in range(0, spec.num_rows, step):
+        end = min(start + step, spec.num_rows)
+        out[start:end] = init_rows(spec, start, end, seed)
+    return out
 
 
 class TableGroup:

@@ -56,6 +56,7 @@ from data_tools.manifest import (
     SparseFeature,
     load_manifest,
 )
+from data_tools.metrics import roc_auc
 from recsys_cli.errors import UserError
 
 GENERATOR_VERSION = 2  # part of the cache key: bump when the output changes
@@ -420,25 +421,6 @@ def _features(world: _World) -> list[SparseFeature]:
     return feats
 
 
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged."""
-    labels = np.asarray(labels) > 0.5
-    pos = int(labels.sum())
-    neg = len(labels) - pos
-    if pos == 0 or neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    s = np.asarray(scores)[order]
-    ranks = np.empty(len(s), dtype=np.float64)
-    # average ranks over ties
-    boundaries = np.flatnonzero(np.diff(s)) + 1
-    starts = np.concatenate([[0], boundaries])
-    ends = np.concatenate([boundaries, [len(s)]])
-    avg = (starts + ends + 1) / 2.0
-    ranks[order] = np.repeat(avg, ends - starts)
-    return float((ranks[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
-
-
 def generate(cfg: SyntheticConfig, output: Path, *, progress: bool = False) -> Manifest:
     """Write the synthetic dataset (shards + manifest) to `output`, atomically.
     An existing dataset at `output` is replaced."""
@@ -479,7 +461,7 @@ def _generate(cfg: SyntheticConfig, output: Path, if_exists: str, progress: bool
             raise
         hidden = {"click_rate": clicks / cfg.rows}
         if val_p:
-            hidden["val_auc"] = auc(np.concatenate(val_p), np.concatenate(val_y))
+            hidden["val_auc"] = roc_auc(np.concatenate(val_p), np.concatenate(val_y))
             hidden["val_auc_rows"] = min(val_rows, sum(len(p) for p in val_p))
         options = {**dataclasses.asdict(cfg), "generator_version": GENERATOR_VERSION, "hidden_model": hidden}
         manifest = Manifest(

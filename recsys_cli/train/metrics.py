@@ -12,31 +12,60 @@ from pathlib import Path
 
 import torch
 
+from data_tools.metrics import roc_auc
 
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Exact ROC AUC over all samples (Mann-Whitney U, tied scores share their
-    average rank). nan when only one class is present."""
-    scores = scores.double().flatten()
-    labels = labels.flatten() > 0.5
-    n_pos = int(labels.sum())
-    n_neg = labels.numel() - n_pos
-    if n_pos == 0 or n_neg == 0:
+_PROB_EPS = 1e-15  # probabilities are clipped to [eps, 1 - eps] so one certain mistake costs 34.5, not inf
+
+
+def _as_float64(x) -> torch.Tensor:
+    return torch.as_tensor(x).detach().double().flatten().cpu()
+
+
+def log_loss(labels, probs) -> float:
+    """Mean binary cross-entropy of predicted click probabilities."""
+    y, p = _as_float64(labels), _as_float64(probs).clamp(_PROB_EPS, 1 - _PROB_EPS)
+    return -(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean().item()
+
+
+def binary_entropy(rate: float) -> float:
+    """Entropy (nats) of a Bernoulli(rate): the log loss of always predicting
+    the rate itself."""
+    if not 0 < rate < 1:
         return float("nan")
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    _, counts = torch.unique_consecutive(sorted_scores, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    avg_rank = ends - (counts.double() - 1) / 2  # 1-based average rank of each tie group
-    ranks = torch.repeat_interleave(avg_rank, counts)
-    rank_sum_pos = ranks[labels[order]].sum().item()
-    return (rank_sum_pos - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return -(rate * math.log(rate) + (1 - rate) * math.log1p(-rate))
+
+
+def normalized_entropy(labels, probs) -> float:
+    """Log loss divided by the entropy of the observed click rate (He et al.,
+    "Practical lessons from predicting clicks on ads at Facebook", 2014):
+    1.0 is no better than predicting the base rate, lower is better. nan when
+    the labels hold one class only."""
+    return log_loss(labels, probs) / binary_entropy(_as_float64(labels).mean().item())
+
+
+def calibration(labels, probs) -> float:
+    """Mean predicted click probability over the observed click rate (He et
+    al. 2014): 1.0 is calibrated, above 1 over-predicts. nan without clicks."""
+    observed = _as_float64(labels).mean().item()
+    return _as_float64(probs).mean().item() / observed if observed > 0 else float("nan")
 
 
 def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    logits, labels = logits.double(), labels.double()
-    logloss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
-    accuracy = ((logits > 0).double() == labels).double().mean().item()
-    return {"auc": roc_auc(logits, labels), "logloss": logloss, "accuracy": accuracy, "samples": labels.numel()}
+    """Evaluation of a split: AUC, log loss, normalized entropy, accuracy, and
+    calibration (mean predicted CTR beside the observed CTR)."""
+    logits, labels = _as_float64(logits), _as_float64(labels)
+    probs = torch.sigmoid(logits)
+    predicted, observed = probs.mean().item(), labels.mean().item()
+    return {
+        "auc": roc_auc(logits.numpy(), labels.numpy()),
+        "logloss": log_loss(labels, probs),
+        "normalized_entropy": normalized_entropy(labels, probs),
+        "accuracy": ((logits > 0).double() == labels).double().mean().item(),
+        "predicted_ctr": predicted,
+        "observed_ctr": observed,
+        "calibration": calibration(labels, probs),
+        "samples": labels.numel(),
+    }
 
 
 class PhaseTimer:

@@ -50,6 +50,12 @@ def summary_table(summary: dict) -> Table:
     add("samples/s", f"{summary['samples_per_second'] or 0:,.0f}")
     for split, m in summary["final"].items():
         add(f"{split} AUC / logloss / accuracy", f"{m['auc']:.4f} / {m['logloss']:.4f} / {m['accuracy']:.4f}")
+        if "predicted_ctr" in m:  # calibration: a miscalibrated split shows at a glance
+            add(f"{split} normalized entropy", f"{m['normalized_entropy']:.4f}")
+            add(f"{split} CTR predicted / observed", f"{m['predicted_ctr']:.4f} / {m['observed_ctr']:.4f}")
+    train = summary.get("train_calibration") or {}
+    if train.get("samples"):
+        add("train batches CTR predicted / observed", f"{train['predicted_ctr']:.4f} / {train['observed_ctr']:.4f}")
     for phase, seconds in summary["phase_seconds"].items():
         add(f"seconds: {phase}", f"{seconds:.2f}")
     mem = summary["embedding_bytes"]

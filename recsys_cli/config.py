@@ -36,7 +36,11 @@ class ModelConfig:
     # features and its output must equal embedding_dim for the dot interaction.
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
-    interaction: str = "dot"  # dot | cat
+    interaction: str = "dot"  # dot | cat | dcn (DCNv2 low-rank cross layers)
+    dcn_layers: int = 3  # dcn: cross layers
+    dcn_rank: int = 512  # dcn: rank of each cross layer's weight
+    # MLP initialisation: dlrm (the reference dlrm_s_pytorch's normal draws) | torch (nn.Linear's default).
+    init: str = "dlrm"
     # When set, the dataset's sparse features must be exactly these.
     features: Optional[list[str]] = None
 
@@ -85,6 +89,17 @@ class OptimizerConfig:
     lr: float = 0.1
     eps: float = 1e-8
     initial_accumulator: float = 0.0
+    # Learning-rate schedule for dense and row updates alike (train/schedule.py):
+    # constant, or warmup_poly: linear warmup over warmup_steps, then from
+    # decay_start_step (unset: the end of warmup) a polynomial decay of power
+    # decay_power over decay_steps (unset: to the last step of the run), never
+    # below min_lr, held at its last value afterwards.
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    decay_start_step: Optional[int] = None
+    decay_steps: Optional[int] = None
+    decay_power: float = 2.0
+    min_lr: float = 1e-7
 
 
 @dataclass
@@ -126,13 +141,15 @@ class TrainConfig:
 PLACEMENTS = ("device", "gpu", "uvm", "lookahead", "cache", "auto")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.interaction": ("dot", "cat"),
+    "model.interaction": ("dot", "cat", "dcn"),
+    "model.init": ("dlrm", "torch"),
     "placement.kind": PLACEMENTS,
     "placement.policy": ("lru", "lfu"),
     "precision.kind": PRECISIONS,
     "precision.rounding": ("stochastic", "nearest"),
     "precision.policy": ("lru", "lfu"),
     "optimizer.name": ("sgd", "adagrad"),
+    "optimizer.schedule": ("constant", "warmup_poly"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.embedding_sync": ("grad", "cache_avg"),
 }
@@ -154,7 +171,8 @@ def validate(cfg: Any) -> None:
         if kind not in PLACEMENTS[:-1]:
             raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
     positive = ["trainer.batch_size", "trainer.eval_batch_size", "trainer.epochs", "trainer.log_every",
-                "trainer.nproc", "trainer.sync_every", "placement.window", "model.embedding_dim"]
+                "trainer.nproc", "trainer.sync_every", "placement.window", "model.embedding_dim",
+                "model.dcn_layers", "model.dcn_rank"]
     for key in positive:
         if _get(cfg, key) < 1:
             raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")
@@ -162,6 +180,15 @@ def validate(cfg: Any) -> None:
         raise UserError(f"trainer.dist_timeout must be > 0 seconds, got {cfg.trainer.dist_timeout}")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    opt = cfg.optimizer
+    if opt.warmup_steps < 0 or (opt.decay_start_step or 0) < 0 or (opt.decay_steps or 0) < 0:
+        raise UserError("optimizer.warmup_steps, decay_start_step and decay_steps must be >= 0")
+    if opt.decay_start_step is not None and opt.decay_start_step < opt.warmup_steps:
+        raise UserError(f"optimizer.decay_start_step={opt.decay_start_step} is inside the warmup "
+                        f"(optimizer.warmup_steps={opt.warmup_steps}): the decay starts after the warmup ends")
+    if opt.decay_power <= 0 or opt.min_lr < 0:
+        raise UserError(f"optimizer.decay_power must be > 0 and optimizer.min_lr >= 0, got "
+                        f"{opt.decay_power} and {opt.min_lr}")
     if not 0 < cfg.placement.cache_ratio <= 1:
         raise UserError(f"placement.cache_ratio must be in (0, 1], got {cfg.placement.cache_ratio}")
     if cfg.model.interaction == "dot" and cfg.model.bottom_mlp[-1] != cfg.model.embedding_dim:

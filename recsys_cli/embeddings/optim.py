@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowOptimizer:
     name: str = "sgd"  # sgd | adagrad (row-wise)
+    # The current step's rate: with a learning-rate schedule the trainer sets
+    # it before every step (train/schedule.py); every group shares this object.
     lr: float = 0.1
     eps: float = 1e-8
     initial_accumulator: float = 0.0

@@ -1,12 +1,34 @@
-"""DLRM (Naumov et al.): bottom MLP, pooled embeddings, interaction, top MLP."""
+"""DLRM (Naumov et al.): bottom MLP, pooled embeddings, interaction, top MLP.
+
+Interactions (`model.interaction`):
+  dot  DLRM's pairwise dot products of the bottom output and every pooled
+       embedding, next to the bottom output.
+  cat  the bottom output and the pooled embeddings, concatenated.
+  dcn  DCNv2's low-rank cross network (Wang et al. 2021) over that
+       concatenation, as MLPerf's DLRM-DCNv2 and TorchRec's LowRankCrossNet:
+       x_{l+1} = x_0 * (W_l (V_l x_l) + b_l) + x_l.
+
+Initialisation of the MLPs (`model.init`):
+  dlrm   facebookresearch/dlrm's dlrm_s_pytorch: W ~ N(0, sqrt(2 / (fan_in + fan_out))),
+         b ~ N(0, sqrt(1 / fan_out)), drawn from a generator seeded with the run's seed.
+  torch  nn.Linear's default (kaiming-uniform weights, b ~ U(+-1/sqrt(fan_in))),
+         what TorchRec's MLPs (and so MLPerf's DLRM-DCNv2 reference) use.
+The cross network is initialised as TorchRec's LowRankCrossNet in both
+modes: xavier-normal V and W, zero bias.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.collection import EmbeddingCollection
+
+INTERACTIONS = ("dot", "cat", "dcn")
+INITS = ("dlrm", "torch")
 
 
 def mlp(sizes: list[int], final_relu: bool) -> nn.Sequential:
@@ -18,36 +40,82 @@ def mlp(sizes: list[int], final_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+@torch.no_grad()
+def init_dlrm_(module: nn.Module, generator: torch.Generator) -> None:
+    """dlrm_s_pytorch's initialisation of every nn.Linear in `module`, in
+    registration order."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            fan_out, fan_in = layer.weight.shape
+            layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
+            if layer.bias is not None:
+                layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
+
+
+class LowRankCrossNet(nn.Module):
+    """DCNv2 cross layers with low-rank weights W_l V_l (W_l: [dim, rank],
+    V_l: [rank, dim]); the output has the input's width."""
+
+    def __init__(self, dim: int, num_layers: int, rank: int) -> None:
+        super().__init__()
+        self.V = nn.ModuleList(nn.Linear(dim, rank, bias=False) for _ in range(num_layers))
+        self.W = nn.ModuleList(nn.Linear(rank, dim) for _ in range(num_layers))
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        for v, w in zip(self.V, self.W):
+            nn.init.xavier_normal_(v.weight, generator=generator)
+            nn.init.xavier_normal_(w.weight, generator=generator)
+            nn.init.zeros_(w.bias)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, w in zip(self.V, self.W):
+            x = x0 * w(v(x)) + x
+        return x
+
+
 class DLRM(nn.Module):
     def __init__(
         self, num_dense: int, embeddings: EmbeddingCollection, bottom_mlp: list[int], top_mlp: list[int],
-        interaction: str = "dot",
+        interaction: str = "dot", init: str = "dlrm", dcn_layers: int = 3, dcn_rank: int = 512, seed: int = 0,
     ) -> None:
         super().__init__()
+        if interaction not in INTERACTIONS:
+            raise ValueError(f"unknown interaction {interaction!r}")
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}")
         self.embeddings = embeddings
         self.interaction = interaction
         num_sparse, dim = len(embeddings.features), embeddings.dim
         self.bottom = mlp([num_dense, *bottom_mlp], final_relu=True)
+        self.cross: LowRankCrossNet | None = None
         if interaction == "dot":
-            # Pairwise dot products of the bottom output and every pooled
-            # embedding (strictly lower triangle), next to the bottom output.
             n = num_sparse + 1
-            rows, cols = torch.tril_indices(n, n, offset=-1)
+            rows, cols = torch.tril_indices(n, n, offset=-1)  # strictly lower triangle
             self.register_buffer("_tri_rows", rows, persistent=False)
             self.register_buffer("_tri_cols", cols, persistent=False)
             top_in = bottom_mlp[-1] + n * (n - 1) // 2
-        elif interaction == "cat":
-            top_in = bottom_mlp[-1] + num_sparse * dim
         else:
-            raise ValueError(f"unknown interaction {interaction!r}")
+            top_in = bottom_mlp[-1] + num_sparse * dim
+            if interaction == "dcn":
+                self.cross = LowRankCrossNet(top_in, dcn_layers, dcn_rank)
         self.top = mlp([top_in, *top_mlp], final_relu=False)
+        generator = torch.Generator().manual_seed(seed) if init == "dlrm" else None  # torch: the global RNG
+        if init == "dlrm":
+            init_dlrm_(self.bottom, generator)
+        if self.cross is not None:
+            self.cross.reset_parameters(generator)
+        if init == "dlrm":
+            init_dlrm_(self.top, generator)
 
     def interact(self, bottom: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        if self.interaction == "cat":
-            return torch.cat([bottom, pooled.flatten(1)], dim=1)
-        t = torch.cat([bottom.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
-        z = torch.bmm(t, t.transpose(1, 2))
-        return torch.cat([bottom, z[:, self._tri_rows, self._tri_cols]], dim=1)
+        if self.interaction == "dot":
+            t = torch.cat([bottom.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
+            z = torch.bmm(t, t.transpose(1, 2))
+            return torch.cat([bottom, z[:, self._tri_rows, self._tri_cols]], dim=1)
+        x = torch.cat([bottom, pooled.flatten(1)], dim=1)
+        return x if self.cross is None else self.cross(x)
 
     def dense_forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Logits [B] from dense features and pooled embeddings [B, F, D]."""

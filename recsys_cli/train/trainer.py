@@ -32,6 +32,7 @@ from recsys_cli.train.embedding_sync import EmbeddingSync
 from recsys_cli.train.embedding_sync import check as check_embedding_sync
 from recsys_cli.train.metrics import MetricsLog, PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
+from recsys_cli.train.schedule import LRSchedule
 
 PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communication", "sparse_update", "dense_update",
           "eval")
@@ -101,9 +102,10 @@ class Trainer:
             )
         self.model = DLRM(
             len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
-            cfg.model.interaction,
+            cfg.model.interaction, cfg.model.init, cfg.model.dcn_layers, cfg.model.dcn_rank, seed=tc.seed,
         ).to(self.device)
         self.embeddings = embeddings
+        self.row_optimizer = row_optimizer
         check_embedding_sync(cfg, embeddings)
         if opt.name == "sgd":
             self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr)
@@ -131,6 +133,7 @@ class Trainer:
                 f"no training steps: {self.manifest.splits['train'].rows} train rows at "
                 f"trainer.batch_size={tc.batch_size}"
             )
+        self.schedule = LRSchedule.from_config(opt, self.total_steps)
 
         self.timer = PhaseTimer(self.device)
         self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and self.dist.is_main else None)
@@ -145,6 +148,8 @@ class Trainer:
         self.evals: list[dict] = []
         self.window_used: list[int] = []
         self.id_counts = torch.zeros(3, len(features), dtype=torch.int64)  # batch ids, looked up, distinct
+        # Training-batch calibration: sums of predicted probabilities and labels, and the sample count.
+        self.train_ctr = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.sync: EmbeddingSync | None = None
         if tc.resume:
             self.resume(tc.resume)
@@ -197,7 +202,8 @@ class Trainer:
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
                         rate = running_steps * tc.batch_size / (now - last_log)
-                        self.log.write({"step": self.step, "epoch": self.epoch, "loss": mean_loss, "samples_per_second": rate})
+                        self.log.write({"step": self.step, "epoch": self.epoch, "loss": mean_loss, "samples_per_second": rate,
+                                        "lr": self.schedule.lr(self.step)})
                         progress.update(self.step, mean_loss, rate)
                         running_loss.zero_()
                         running_steps, last_log = 0, now
@@ -235,8 +241,16 @@ class Trainer:
         if self.batch_in_epoch >= self.train_loader.num_batches:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
+    def set_lr(self, lr: float) -> None:
+        """The rate of the next step, for dense parameters and rows alike."""
+        for group in self.dense_optimizer.param_groups:
+            group["lr"] = lr
+        self.row_optimizer.lr = lr
+
     def train_step(self, batch: Batch) -> torch.Tensor:
         timer, model = self.timer, self.model
+        if self.schedule.kind != "constant":
+            self.set_lr(self.schedule.lr(self.step + 1))
         batch = self.to_device(batch)
         with timer.phase("embedding_forward"):
             for group, plan in zip(self.embeddings.groups, batch.extras[PLANS]):
@@ -245,6 +259,8 @@ class Trainer:
             pooled = model.embeddings(batch)
         with timer.phase("mlp_forward"):
             logits = model.dense_forward(batch.dense, pooled)
+            self.train_ctr += torch.stack([torch.sigmoid(logits.detach()).sum(), batch.labels.sum(),
+                                           torch.tensor(float(batch.size), device=logits.device)]).double()
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
             if self.sync is not None:  # this rank's share of the global batch's mean
                 loss = loss * self.sync.loss_scale(batch)
@@ -288,6 +304,13 @@ class Trainer:
             "duplicated_ids_per_feature": {f: ratio(distinct[i], batch_ids[i]) for i, f in enumerate(self.embeddings.features)},
             "lookups_saved_by_dedup": ratio(looked_up.sum(), batch_ids.sum()),
         }
+
+    def train_calibration(self) -> dict:
+        """Mean predicted CTR beside the observed CTR of the training batches
+        this process trained on (predictions made before each update)."""
+        predicted, clicks, samples = self.train_ctr.tolist()
+        return {"predicted_ctr": predicted / samples if samples else None,
+                "observed_ctr": clicks / samples if samples else None, "samples": int(samples)}
 
     def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
@@ -399,6 +422,7 @@ class Trainer:
                 "placements": self.plan.placements, "cache_rows": self.plan.cache_rows, "reasons": self.plan.reasons,
             },
             "duplication": self.duplication(),
+            "train_calibration": self.train_calibration(),
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if self.window_used:

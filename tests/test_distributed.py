@@ -32,6 +32,8 @@ STEPS = 30
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placement__window=4)
+DCN_SCHEDULE = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8,
+                    optimizer__schedule="warmup_poly", optimizer__warmup_steps=5)
 
 
 def config(cache_dir, **overrides):
@@ -121,6 +123,7 @@ def runs(cache_dir, tmp_path_factory):
         "cache_avg_1": config(cache_dir, **LOOKAHEAD, trainer__embedding_sync="cache_avg", trainer__sync_every=1),
         "cache_avg_10": config(cache_dir, **LOOKAHEAD, trainer__embedding_sync="cache_avg", trainer__sync_every=10),
         "half": config(cache_dir, **LOOKAHEAD, trainer__max_steps=STEPS // 2, trainer__checkpoint_dir=str(ckpt)),
+        "dcn_schedule": config(cache_dir, **LOOKAHEAD, **DCN_SCHEDULE),
     }
     start = time.perf_counter()
     out = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])[0]
@@ -139,6 +142,12 @@ def reference(cache_dir):
 def test_grad_sync_equals_one_process_with_the_global_batch(runs, reference, placement):
     assert len(runs[placement]["losses"]) == STEPS
     assert_same(runs[placement], reference)
+
+
+def test_dcn_and_lr_schedule_follow_one_process_with_the_global_batch(runs, cache_dir):
+    ref = single(config(cache_dir, **DCN_SCHEDULE))
+    assert_same(runs["dcn_schedule"], ref)
+    assert runs["dcn_schedule"]["losses"] != runs["lookahead"]["losses"]
 
 
 def test_evaluation_covers_the_whole_split(runs, reference):

@@ -1,0 +1,68 @@
+"""Evaluation metrics against references computed another way."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from data_tools.metrics import roc_auc
+from recsys_cli.train.metrics import binary_metrics, calibration, log_loss, normalized_entropy
+
+
+def test_roc_auc_small_cases_and_inputs():
+    assert roc_auc(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 0, 1, 1])) == 1.0
+    assert roc_auc(np.array([0.5, 0.5, 0.5, 0.5]), np.array([0, 1, 0, 1])) == 0.5
+    assert roc_auc(np.array([0.4, 0.3, 0.2, 0.1]), np.array([0, 0, 1, 1])) == 0.0
+    assert roc_auc(torch.tensor([0.1, 0.9, 0.2]), torch.tensor([0.0, 1.0, 1.0])) == 1.0  # CPU tensors too
+    assert math.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1])))
+
+
+def _data(n=2000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, generator=gen, dtype=torch.float64) - 1
+    labels = (torch.rand(n, generator=gen, dtype=torch.float64) < torch.sigmoid(logits)).double()
+    return logits, labels
+
+
+def test_log_loss_and_normalized_entropy_match_their_definitions():
+    logits, labels = _data()
+    probs = torch.sigmoid(logits)
+    ref = sum(-math.log(p) if y else -math.log(1 - p) for p, y in zip(probs.tolist(), labels.tolist())) / len(probs)
+    assert log_loss(labels, probs) == pytest.approx(ref, rel=1e-12)
+    ctr = labels.mean().item()
+    assert normalized_entropy(labels, probs) == pytest.approx(ref / -(ctr * math.log(ctr) + (1 - ctr) * math.log(1 - ctr)),
+                                                               rel=1e-12)
+    # predicting the base rate everywhere has NE exactly 1; the true probabilities do better
+    assert normalized_entropy(labels, torch.full_like(probs, ctr)) == pytest.approx(1.0, rel=1e-12)
+    assert normalized_entropy(labels, probs) < 0.97
+    assert math.isnan(normalized_entropy(torch.ones(5), torch.full((5,), 0.5)))
+    # a certain mistake is finite
+    assert math.isfinite(log_loss(torch.tensor([1.0]), torch.tensor([0.0])))
+
+
+def test_calibration_is_mean_prediction_over_observed_rate():
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert calibration(labels, torch.tensor([0.5, 0.5, 0.5, 0.5])) == pytest.approx(2.0)
+    assert calibration(labels, torch.tensor([0.25, 0.25, 0.25, 0.25])) == pytest.approx(1.0)
+    assert math.isnan(calibration(torch.zeros(3), torch.full((3,), 0.1)))
+
+
+def test_binary_metrics_reports_calibration_beside_the_rest():
+    logits, labels = _data()
+    m = binary_metrics(logits.float(), labels.float())
+    probs = torch.sigmoid(logits.float().double())
+    assert m["samples"] == 2000
+    assert m["observed_ctr"] == pytest.approx(labels.mean().item(), abs=1e-15)
+    assert m["predicted_ctr"] == pytest.approx(probs.mean().item(), rel=1e-12)
+    assert m["calibration"] == pytest.approx(m["predicted_ctr"] / m["observed_ctr"], rel=1e-12)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits.float().double(), labels).item()
+    assert m["logloss"] == pytest.approx(bce, rel=1e-10)
+    assert m["normalized_entropy"] == pytest.approx(normalized_entropy(labels, probs), rel=1e-12)
+    assert m["auc"] == pytest.approx(roc_auc(logits.float().numpy(), labels.numpy()), abs=0)
+    # shifted logits: same AUC, a visibly miscalibrated split
+    shifted = binary_metrics(logits.float() + 1.5, labels.float())
+    assert shifted["auc"] == pytest.approx(m["auc"], abs=1e-4)  # fp32 rounding may tie a close pair
+    assert shifted["calibration"] > 1.5 and shifted["normalized_entropy"] > m["normalized_entropy"]

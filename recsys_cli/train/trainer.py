@@ -148,8 +148,9 @@ class Trainer:
         self.evals: list[dict] = []
         self.window_used: list[int] = []
         self.id_counts = torch.zeros(3, len(features), dtype=torch.int64)  # batch ids, looked up, distinct
-        # Training-batch calibration: sums of predicted probabilities and labels, and the sample count.
-        self.train_ctr = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # Training-batch calibration: sums of predicted probabilities and of labels, and their count.
+        self.train_ctr = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.train_ctr_samples = 0
         self.sync: EmbeddingSync | None = None
         if tc.resume:
             self.resume(tc.resume)
@@ -259,8 +260,8 @@ class Trainer:
             pooled = model.embeddings(batch)
         with timer.phase("mlp_forward"):
             logits = model.dense_forward(batch.dense, pooled)
-            self.train_ctr += torch.stack([torch.sigmoid(logits.detach()).sum(), batch.labels.sum(),
-                                           torch.tensor(float(batch.size), device=logits.device)]).double()
+            self.train_ctr += torch.stack([torch.sigmoid(logits.detach()).sum(), batch.labels.sum()]).double()
+            self.train_ctr_samples += batch.size
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
             if self.sync is not None:  # this rank's share of the global batch's mean
                 loss = loss * self.sync.loss_scale(batch)
@@ -308,7 +309,7 @@ class Trainer:
     def train_calibration(self) -> dict:
         """Mean predicted CTR beside the observed CTR of the training batches
         this process trained on (predictions made before each update)."""
-        predicted, clicks, samples = self.train_ctr.tolist()
+        (predicted, clicks), samples = self.train_ctr.tolist(), self.train_ctr_samples
         return {"predicted_ctr": predicted / samples if samples else None,
                 "observed_ctr": clicks / samples if samples else None, "samples": int(samples)}
 

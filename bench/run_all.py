@@ -20,6 +20,7 @@ SUITE = {
     "precision": ["bench.precision_bench", "--rows", "1000000", "--record"],
     "dedup": ["bench.dedup_bench", "--rows", "200000", "--steps", "150", "--record"],
     "distributed": ["bench.distributed_bench", "--record"],
+    "quality": ["bench.quality_bench", "--record"],
 }
 QUICK = {
     "preprocess": ["--rows", "200000"],
@@ -28,6 +29,7 @@ QUICK = {
     "precision": ["--rows", "100000"],
     "dedup": ["--rows", "20000", "--steps", "20"],
     "distributed": ["--quick"],
+    "quality": ["--rows", "20000", "--seeds", "2"],
 }
 
 

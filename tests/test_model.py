@@ -4,6 +4,7 @@ precisions and resumes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,7 +167,8 @@ def test_bad_model_and_schedule_settings_fail_at_start(cache_dir, overrides, mes
 
 @pytest.mark.parametrize("name", ["dlrm_small", "dlrm_kaggle", "dlrm_v2", "dlrm_v2_small"])
 def test_model_configs_validate(name):
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), {"model": OmegaConf.load(f"configs/model/{name}.yaml")})
+    path = Path(__file__).resolve().parents[1] / "configs" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), {"model": OmegaConf.load(path)})
     from recsys_cli.config import validate
 
     validate(cfg)

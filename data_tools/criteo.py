@@ -14,8 +14,14 @@ Ids (per sparse feature, in [0, vocab_size)):
     ids 1..V-1 in order of descending count, ties broken by ascending value
     (the 32-bit number the hex digits spell). Missing values and values seen
     fewer than `min_count` times share id 0. vocab_size = V = 1 + #frequent.
+    The mapping is saved with the shards (data_tools/vocab.py: vocab/*.npy,
+    sorted values and their ids).
   * hashing mode (`hash_buckets=N`, N >= 2, one pass, no counting):
     id = 1 + value % (N - 1); missing -> 0; vocab_size = N for every feature.
+  * existing vocabulary (`vocab=DIR`, one pass): DIR's saved mapping;
+    values it has no id for -> 0, counted per feature
+    (manifest.options.unknown_values); the vocabulary is copied along.
+Unlabelled input (`labels=false`): 39 fields, no label; no label column.
 Dense: log(1 + max(x, 0)) as float32, missing -> 0. Label: float32 (or int8
 with label_dtype=int8); must be in [0, 1] (0 or 1 for int8).
 
@@ -24,7 +30,8 @@ Splits (rows in input order, after dropping skipped lines):
     first total % 7 days one row more); train = days 0-5; the last day is
     halved as numpy.array_split does: first (larger) half test, second half val.
   * split=ratios ratios=[a,b,c]: consecutive train/val/test ranges in proportion.
-  In hashing mode the row count is known only at the end: rows are staged in
+  * split=none: one split, "all", of every row.
+  In the one-pass modes the row count is known only at the end: rows are staged in
   file order and moved (or, for the at most two files that straddle a split
   boundary, rewritten) into their split.
 
@@ -75,6 +82,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from data_tools import shards as sh
+from data_tools import vocab as vocab_io
 from data_tools.manifest import (
     CRITEO_DENSE,
     CRITEO_SPARSE,
@@ -89,6 +97,7 @@ from recsys_cli.errors import UserError
 COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
 NUM_COLUMNS = len(COLUMNS)  # 40
 NUM_SPARSE = len(CRITEO_SPARSE)
+ALL_SPLIT = "all"  # the one split of split=none
 
 
 @dataclass
@@ -99,7 +108,7 @@ class CriteoConfig:
     min_count: int = 1
     hash_buckets: Optional[int] = None
     label_dtype: str = "float32"  # float32 | int8
-    split: str = "kaggle"  # kaggle | ratios
+    split: str = "kaggle"  # kaggle | ratios | none (one split, "all", of every row)
     ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     on_error: str = "raise"  # raise | skip
     row_group_rows: int = sh.DEFAULT_ROW_GROUP_ROWS
@@ -110,6 +119,11 @@ class CriteoConfig:
     # the output's temporary directory (about 160 bytes a row) so that pass 2
     # does not parse the text again; false: pass 2 re-reads the input.
     spill: bool = True
+    # Map values with this dataset's saved vocabulary (a `recsys preprocess`
+    # output) in one pass instead of building one; unseen values -> id 0.
+    vocab: Optional[str] = None
+    # false: 39-column input without the label column (Criteo's test.txt).
+    labels: bool = True
     progress: bool = True
 
 
@@ -345,11 +359,14 @@ def _int_column(arr: pa.Array) -> np.ndarray:
 class _Parser:
     def __init__(self, cfg: CriteoConfig):
         self.label_int8 = cfg.label_dtype == "int8"
+        self.labels = cfg.labels
+        self.first_dense = 1 if cfg.labels else 0  # column index of I1
         self.read_options = pacsv.ReadOptions(
-            column_names=COLUMNS, block_size=max(1 << 20, cfg.block_size // 4), use_threads=True
+            column_names=COLUMNS[1 - self.first_dense:], block_size=max(1 << 20, cfg.block_size // 4),
+            use_threads=True,
         )
         self.parse_options = pacsv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False)
-        types = {"label": pa.float32()}
+        types = {"label": pa.float32()} if cfg.labels else {}
         types.update({c: pa.int64() for c in CRITEO_DENSE})
         types.update({c: pa.binary() for c in CRITEO_SPARSE})
         self.convert_options = pacsv.ConvertOptions(
@@ -372,28 +389,31 @@ class _Parser:
             raise _BadBlock(str(e)) from None
         table = table.combine_chunks()
         n = table.num_rows
-        label_col = table.column(0).chunk(0) if table.column(0).num_chunks else pa.array([], pa.float32())
-        if label_col.null_count:
-            raise _BadBlock("empty label")
-        label = label_col.to_numpy(zero_copy_only=False)
-        if n and not ((label >= 0) & (label <= 1)).all():
-            raise _BadBlock("label out of range")
-        if self.label_int8 and n and not np.isin(label, (0.0, 1.0)).all():
-            raise _BadBlock("label not 0/1")
+        label = None
+        if self.labels:
+            label_col = table.column(0).chunk(0) if table.column(0).num_chunks else pa.array([], pa.float32())
+            if label_col.null_count:
+                raise _BadBlock("empty label")
+            label = label_col.to_numpy(zero_copy_only=False)
+            if n and not ((label >= 0) & (label <= 1)).all():
+                raise _BadBlock("label out of range")
+            if self.label_int8 and n and not np.isin(label, (0.0, 1.0)).all():
+                raise _BadBlock("label not 0/1")
+            label = label.astype(np.float32, copy=False)
         dense = None
         if want_dense:
             dense = np.empty((n, NUM_DENSE), dtype=np.float32)
             for j in range(NUM_DENSE):
-                col = table.column(1 + j)
+                col = table.column(self.first_dense + j)
                 x = _int_column(col.chunk(0)) if col.num_chunks else np.zeros(0, np.int64)
                 np.log1p(np.maximum(x, 0).astype(np.float32), out=dense[:, j])
         values, present = [], []
         for f in range(NUM_SPARSE):
-            col = table.column(1 + NUM_DENSE + f)
+            col = table.column(self.first_dense + NUM_DENSE + f)
             v, p = _decode_hex(col.chunk(0)) if col.num_chunks else (np.zeros(0, np.uint32), np.zeros(0, bool))
             values.append(v)
             present.append(p)
-        return _Decoded(n, label.astype(np.float32, copy=False), dense, values, present)
+        return _Decoded(n, label, dense, values, present)
 
 
 # --------------------------------------------------------------------------- line-level checks
@@ -405,14 +425,26 @@ _LINE_RE = re.compile(
     + b"".join(b"\t(?:" + _INT.encode() + b")?" for _ in range(NUM_DENSE))
     + b"".join(b"\t(?:" + _HEXV.encode() + b")?" for _ in range(NUM_SPARSE))
 )
+# Unlabelled input (labels=false): the same line without the label field.
+_UNLABELLED_LINE_RE = re.compile(
+    b"(?:" + _INT.encode() + b")?"
+    + b"".join(b"\t(?:" + _INT.encode() + b")?" for _ in range(NUM_DENSE - 1))
+    + b"".join(b"\t(?:" + _HEXV.encode() + b")?" for _ in range(NUM_SPARSE))
+)
 
 
-def _diagnose(line: bytes, label_int8: bool) -> str:
+def _diagnose(line: bytes, label_int8: bool, labels: bool = True) -> str:
     """Why a line is bad: 'column X: ...' (or a generic reason)."""
     text = line.decode("utf-8", errors="replace")
     fields = text.split("\t")
-    if len(fields) != NUM_COLUMNS:
-        return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
+    if not labels:
+        if len(fields) != NUM_COLUMNS - 1:
+            hint = " (a labelled line? drop labels=false)" if len(fields) == NUM_COLUMNS else ""
+            return f"expected {NUM_COLUMNS - 1} tab-separated fields (labels=false), found {len(fields)}{hint}"
+        fields = ["0", *fields]
+    elif len(fields) != NUM_COLUMNS:
+        hint = " (unlabelled input? give labels=false)" if len(fields) == NUM_COLUMNS - 1 else ""
+        return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}{hint}"
     lab = fields[0]
     try:
         x = float(lab) if re.fullmatch(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", lab) else None
@@ -652,7 +684,9 @@ class _Reader:
             line = _strip_cr(raw)
             if not line:
                 continue
-            if _LINE_RE.fullmatch(line) and _label_ok(line, self.parser.label_int8):
+            if self.parser.labels and _LINE_RE.fullmatch(line) and _label_ok(line, self.parser.label_int8):
+                continue
+            if not self.parser.labels and _UNLABELLED_LINE_RE.fullmatch(line):
                 continue
             if self._line_ok(line):  # stricter than Arrow here: Arrow decides
                 continue
@@ -686,7 +720,7 @@ class _Reader:
     def _bad(self, block: _Block, i: int, line: bytes) -> None:
         if self.cfg.on_error == "raise":
             path = self.paths[block.file_index]
-            reason = _diagnose(line, self.parser.label_int8)
+            reason = _diagnose(line, self.parser.label_int8, self.parser.labels)
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
                 raise UserError(f"{where} {reason} (on_error=skip drops such lines)")
@@ -771,8 +805,8 @@ def _validate(cfg: CriteoConfig) -> None:
         raise UserError("output=DIR is required")
     if cfg.label_dtype not in ("float32", "int8"):
         raise UserError(f"label_dtype must be float32 or int8, got {cfg.label_dtype!r}")
-    if cfg.split not in ("kaggle", "ratios"):
-        raise UserError(f"split must be kaggle or ratios, got {cfg.split!r}")
+    if cfg.split not in ("kaggle", "ratios", "none"):
+        raise UserError(f"split must be kaggle, ratios or none, got {cfg.split!r}")
     if cfg.split == "ratios":
         sh.ratio_ranges(1, cfg.ratios)
     if cfg.on_error not in ("raise", "skip"):
@@ -786,6 +820,10 @@ def _validate(cfg: CriteoConfig) -> None:
             raise UserError(f"hash_buckets must be <= 2**31 (ids are int32), got {cfg.hash_buckets}")
         if cfg.min_count != 1:
             raise UserError("min_count and hash_buckets exclude each other: hashing keeps every value")
+    if cfg.vocab is not None and (cfg.hash_buckets is not None or cfg.min_count != 1):
+        raise UserError("vocab=DIR maps values with DIR's vocabulary: min_count and hash_buckets do not apply")
+    if not cfg.labels and cfg.vocab is None and cfg.hash_buckets is None:
+        raise UserError("labels=false needs vocab=DIR (the training data's vocabulary) or hash_buckets=N")
     if cfg.row_group_rows < 1 or cfg.shard_rows < 1:
         raise UserError("row_group_rows and shard_rows must be >= 1")
     if cfg.block_size < 1024:
@@ -793,11 +831,14 @@ def _validate(cfg: CriteoConfig) -> None:
 
 
 def _ranges(cfg: CriteoConfig, total: int) -> list[tuple[str, int, int]]:
+    if cfg.split == "none":
+        return [(ALL_SPLIT, 0, total)]
     return sh.kaggle_ranges(total) if cfg.split == "kaggle" else sh.ratio_ranges(total, cfg.ratios)
 
 
 def _ids_table(schema: pa.Schema, d: _Decoded, ids: list[np.ndarray], label_type) -> pa.Table:
-    cols = [pa.array(d.label.astype(label_type, copy=False)), sh.dense_array(d.dense)]
+    cols = [] if d.label is None else [pa.array(d.label.astype(label_type, copy=False))]
+    cols.append(sh.dense_array(d.dense))
     for f in range(NUM_SPARSE):
         cols.append(pa.array(ids[f]))
     return pa.Table.from_arrays(cols, schema=schema)
@@ -846,6 +887,7 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
     # ---- the vocabulary: frequent values by descending count, ties by value
     lookups, vocab, distinct = [], [], {}
+    mapping_values, mapping_ids = [], []
     for f, m in enumerate(maps):
         if cfg.spill:
             keys, counts, first_seen = m.items_order()
@@ -855,6 +897,9 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         keep = np.flatnonzero(counts >= cfg.min_count)
         keep = keep[np.lexsort((keys[keep], -counts[keep]))]
         ids = np.arange(1, len(keep) + 1, dtype=np.int32)
+        sorted_values, sorted_ids = vocab_io.sorted_mapping(keys[keep], ids)
+        mapping_values.append(sorted_values)
+        mapping_ids.append(sorted_ids)
         if cfg.spill:
             remap = np.zeros(len(keys) + 1, dtype=np.int32)  # first-seen index + 1 -> id
             remap[first_seen[keep].astype(np.int64) + 1] = ids
@@ -866,6 +911,9 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         vocab.append(len(keep) + 1)
         maps[f] = None  # free the counts
     del maps
+    vocab_entry = vocab_io.write_vocabulary(tmp, CRITEO_SPARSE, mapping_values, mapping_ids,
+                                           {"mode": "vocabulary", "min_count": cfg.min_count})
+    del mapping_values, mapping_ids
     features = [SparseFeature(n, v) for n, v in zip(CRITEO_SPARSE, vocab)]
     schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(label_type))
     timings["pass 1"] = time.perf_counter() - t0
@@ -897,7 +945,7 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         raise
     if written != total:
         raise UserError(f"input changed while it was being preprocessed ({total} rows, then {written})")
-    return features, splits, skipped, distinct
+    return features, splits, skipped, distinct, vocab_entry
 
 
 def _spill_batch(d: _Decoded, cols: list[np.ndarray], label_type) -> pa.RecordBatch:
@@ -917,51 +965,42 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     paths = resolve_inputs(cfg.input)
     output = Path(cfg.output).expanduser()
     sh.check_output(output.absolute())
+    source_vocab = _source_vocabulary(cfg)
     total_bytes = sum(p.stat().st_size for p in paths)
-    label_type = np.int8 if cfg.label_dtype == "int8" else np.float32
     t0 = time.perf_counter()
     reader = _Reader(cfg, paths)
-    hashing = cfg.hash_buckets is not None
     timings: dict[str, float] = {}
+    unknown: dict[str, int] | None = None
     with _Progress(cfg.progress, total_bytes) as progress, sh.atomic_dataset_dir(output) as tmp:
         distinct: dict[str, int] | None = None
-        if not hashing:
-            features, splits, skipped, distinct = _vocabulary_mode(cfg, reader, paths, tmp, progress, timings, t0)
+        if source_vocab is None and cfg.hash_buckets is None:
+            features, splits, skipped, distinct, vocab_entry = _vocabulary_mode(
+                cfg, reader, paths, tmp, progress, timings, t0)
         else:
-            n_b = int(cfg.hash_buckets)
-            features = [SparseFeature(n, n_b) for n in CRITEO_SPARSE]
-            schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(label_type))
-            staging = sh.ShardWriter(tmp, "_staging", schema, cfg.row_group_rows, cfg.shard_rows, cfg.compression)
-            upd = progress.task("pass 1/1 hash")
-            total = 0
-            skipped = 0
-            mod = np.uint32(n_b - 1)
-            try:
-                for ch in _Prefetch(reader.chunks(want_dense=True)):
-                    d = ch.decoded
-                    ids = [
-                        _scatter(d.present[f], (d.values[f] % mod).astype(np.int32) + 1) for f in range(NUM_SPARSE)
-                    ]
-                    staging.write(_ids_table(schema, d, ids, label_type))
-                    total += d.rows
-                    skipped += ch.skipped
-                    upd(total, ch.block.bytes_read)
-                staged = staging.close()
-            except BaseException:
-                staging.abort()
-                raise
-            if total == 0:
-                raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
-            splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg)
-            shutil.rmtree(tmp / "_staging", ignore_errors=True)
+            if source_vocab is not None:
+                vocabulary, features = source_vocab
+                vocab_entry = {**vocab_io.copy_vocabulary(Path(cfg.vocab).expanduser(), tmp),
+                               "source": str(Path(cfg.vocab).expanduser().absolute())}
+            else:
+                features = [SparseFeature(n, int(cfg.hash_buckets)) for n in CRITEO_SPARSE]
+                vocabulary = vocab_io.Vocabulary(CRITEO_SPARSE, "hash", hash_buckets=int(cfg.hash_buckets))
+                vocab_entry = {"mode": "hash", "hash_buckets": int(cfg.hash_buckets), "features": CRITEO_SPARSE,
+                               "fingerprint": vocab_io.hash_fingerprint(CRITEO_SPARSE, int(cfg.hash_buckets))}
+            splits, skipped, unseen = _mapped_mode(cfg, reader, paths, tmp, progress, vocabulary, features)
+            if source_vocab is not None:
+                unknown = dict(zip(CRITEO_SPARSE, map(int, unseen)))
         seconds = time.perf_counter() - t0
         if "pass 1" in timings:
             timings["pass 2"] = seconds - timings["pass 1"]
         options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("progress",)}
         options["input"] = [str(p) for p in paths]
-        options["mode"] = "hash" if hashing else "vocabulary"
+        options["mode"] = "hash" if vocab_entry["mode"] == "hash" else "vocabulary"
+        options["vocabulary"] = vocab_entry
         if distinct is not None:
             options["distinct_values"] = distinct
+        if unknown is not None:
+            # present values the vocabulary has no id for (unseen in training, or rarer than its min_count)
+            options["unknown_values"] = unknown
         manifest = Manifest(
             source="criteo",
             sparse_features=features,
@@ -969,16 +1008,71 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
             options=options,
             inputs=[{"path": str(p), "bytes": p.stat().st_size} for p in paths],
             skipped_lines=int(skipped),
+            labelled=cfg.labels,
         )
         manifest.save(tmp)
     _summary(console, manifest, output, seconds, timings)
     return manifest
 
 
-def _distribute(tmp: Path, staged: Split, schema: pa.Schema, ranges, cfg: CriteoConfig) -> dict[str, Split]:
-    """Hashing mode: move staged files into their split; rewrite the ones
+def _source_vocabulary(cfg: CriteoConfig):
+    """vocab=DIR: (the vocabulary, DIR's sparse features), checked; else None."""
+    if cfg.vocab is None:
+        return None
+    from data_tools.manifest import ManifestError, load_manifest
+
+    source = Path(cfg.vocab).expanduser()
+    try:
+        vocabulary = vocab_io.load_vocabulary(source)
+        features = load_manifest(source).sparse_features
+    except ManifestError as e:
+        raise UserError(f"vocab={cfg.vocab}: {e}") from None
+    if vocabulary.features != CRITEO_SPARSE:
+        raise UserError(f"vocab={cfg.vocab}: its features {vocabulary.features} are not Criteo's C1..C26")
+    return vocabulary, features
+
+
+def _mapped_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, progress, vocabulary, features):
+    """One pass with a known mapping (hashing, or a saved vocabulary): rows
+    are mapped and staged in file order, then moved into their splits (the
+    row count, hence the split boundaries, is known only at the end).
+    Returns (splits, skipped lines, per feature the present values mapped to 0
+    because the vocabulary has no id for them)."""
+    label_type = np.int8 if cfg.label_dtype == "int8" else np.float32
+    schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(label_type) if cfg.labels else None)
+    staging = sh.ShardWriter(tmp, "_staging", schema, cfg.row_group_rows, cfg.shard_rows, cfg.compression)
+    upd = progress.task("pass 1/1 hash" if vocabulary.mode == "hash" else "pass 1/1 map")
+    total = skipped = 0
+    unseen = np.zeros(NUM_SPARSE, dtype=np.int64)
+    try:
+        for ch in _Prefetch(reader.chunks(want_dense=True)):
+            d = ch.decoded
+            ids = []
+            for f in range(NUM_SPARSE):
+                mapped = vocabulary.lookup(f, d.values[f])
+                unseen[f] += len(mapped) - np.count_nonzero(mapped)
+                ids.append(_scatter(d.present[f], mapped))
+            staging.write(_ids_table(schema, d, ids, label_type))
+            total += d.rows
+            skipped += ch.skipped
+            upd(total, ch.block.bytes_read)
+        staged = staging.close()
+    except BaseException:
+        staging.abort()
+        raise
+    if total == 0:
+        raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
+    names = (ALL_SPLIT,) if cfg.split == "none" else SPLITS
+    splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg, names)
+    shutil.rmtree(tmp / "_staging", ignore_errors=True)
+    return splits, skipped, unseen
+
+
+def _distribute(tmp: Path, staged: Split, schema: pa.Schema, ranges, cfg: CriteoConfig,
+                names=SPLITS) -> dict[str, Split]:
+    """One-pass modes: move staged files into their split; rewrite the ones
     that straddle a split boundary."""
-    writers = {s: sh.ShardWriter(tmp, s, schema, cfg.row_group_rows, cfg.shard_rows, cfg.compression) for s in SPLITS}
+    writers = {s: sh.ShardWriter(tmp, s, schema, cfg.row_group_rows, cfg.shard_rows, cfg.compression) for s in names}
     pos = 0
     for shard in staged.shards:
         a, b = pos, pos + shard.rows
@@ -1014,4 +1108,13 @@ def _summary(console, m: Manifest, output: Path, seconds: float, timings: dict[s
         + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + ")" if timings else "")
     )
     console.print(f"vocabulary: {vocab}")
+    entry = m.options.get("vocabulary", {})
+    if entry.get("mode") == "vocabulary":
+        where = f"copied from {entry['source']}" if "source" in entry else f"{vocab_io.VOCAB_DIR}/"
+        console.print(f"saved vocabulary: {sum(e['size'] for e in entry['files'].values()):,} values, "
+                      f"{entry['bytes'] / 2**20:,.1f} MiB ({where})")
+    unknown = m.options.get("unknown_values")
+    if unknown:
+        console.print(f"values without an id (-> 0): {sum(unknown.values()):,} "
+                      f"(most in {max(unknown, key=unknown.get)}: {max(unknown.values()):,})")
     console.print(f"wrote {output}")

@@ -5,7 +5,7 @@ builds the directory under a temporary name and renames it into place last, so
 a killed run never leaves something that looks valid.
 
 Shard schema (parquet), shared by every writer and by the loader:
-  label    float32
+  label    float32   (absent when the manifest says labelled: false)
   dense    fixed_size_list<float32>[13]   (already log(1 + max(x, 0)), missing -> 0)
   <sparse> int32 per one-hot feature (ids in [0, vocab_size)), or
            list<int32> per multi-hot feature
@@ -65,6 +65,7 @@ class Manifest:
     options: dict = field(default_factory=dict)
     inputs: list[dict] = field(default_factory=list)
     skipped_lines: int = 0
+    labelled: bool = True  # false: the shards have no label column (unlabelled input)
     format_version: int = FORMAT_VERSION
 
     @property

@@ -51,12 +51,11 @@ DEFAULT_SHARD_ROWS = 1 << 20
 
 
 def shard_schema(
-    features: Sequence[SparseFeature], session: bool = False, label_type: pa.DataType = pa.float32()
+    features: Sequence[SparseFeature], session: bool = False, label_type: pa.DataType | None = pa.float32()
 ) -> pa.Schema:
-    fields = [
-        pa.field(LABEL_COLUMN, label_type, nullable=False),
-        pa.field(DENSE_COLUMN, pa.list_(pa.float32(), NUM_DENSE), nullable=False),
-    ]
+    """label_type None: no label column (unlabelled data)."""
+    fields = [] if label_type is None else [pa.field(LABEL_COLUMN, label_type, nullable=False)]
+    fields.append(pa.field(DENSE_COLUMN, pa.list_(pa.float32(), NUM_DENSE), nullable=False))
     for f in features:
         typ = pa.list_(pa.int32()) if f.multi_hot else pa.int32()
         fields.append(pa.field(f.name, typ, nullable=False))

@@ -271,7 +271,8 @@ class ShardLoader:
             if not ok(t):
                 raise ManifestError(f"{path}: column {name!r} is {t}, expected {what}")
 
-        need(LABEL_COLUMN, lambda t: pa.types.is_floating(t) or pa.types.is_integer(t), "float32")
+        if self.manifest.labelled:
+            need(LABEL_COLUMN, lambda t: pa.types.is_floating(t) or pa.types.is_integer(t), "float32")
         dense_dim = len(self.manifest.dense_features)
         need(
             DENSE_COLUMN,
@@ -306,7 +307,8 @@ class ShardLoader:
         pf = files.get(rg.shard)
         if pf is None:
             pf = files[rg.shard] = pq.ParquetFile(self._files[rg.shard])
-        columns = [LABEL_COLUMN, DENSE_COLUMN, *self.features]
+        labelled = self.manifest.labelled
+        columns = [LABEL_COLUMN, DENSE_COLUMN, *self.features] if labelled else [DENSE_COLUMN, *self.features]
         if self._session_col:
             columns.append(self._session_col)
         table = pf.read_row_group(rg.index, columns=columns)
@@ -318,7 +320,10 @@ class ShardLoader:
             c = table.column(name)
             return c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
 
-        labels = col(LABEL_COLUMN).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+        if labelled:
+            labels = col(LABEL_COLUMN).to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+        else:  # unlabelled data (labels=false at preprocessing): scored, never trained on
+            labels = np.full(n, np.nan, dtype=np.float32)
         dense_arr = col(DENSE_COLUMN)
         dense = dense_arr.flatten().to_numpy(zero_copy_only=False)
         dense = dense.astype(np.float32, copy=False).reshape(n, dense_arr.type.list_size)

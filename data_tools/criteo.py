@@ -639,6 +639,8 @@ class _Reader:
     """Blocks -> decoded, checked chunks; bad lines are located and either
     raised (on_error=raise) or dropped (on_error=skip)."""
 
+    skip_hint = " (on_error=skip drops such lines)"
+
     def __init__(self, cfg: CriteoConfig, paths: Sequence[Path]):
         self.cfg = cfg
         self.paths = paths
@@ -723,8 +725,8 @@ class _Reader:
             reason = _diagnose(line, self.parser.label_int8, self.parser.labels)
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
-                raise UserError(f"{where} {reason} (on_error=skip drops such lines)")
-            raise UserError(f"{where}: {reason} (on_error=skip drops such lines)")
+                raise UserError(f"{where} {reason}{self.skip_hint}")
+            raise UserError(f"{where}: {reason}{self.skip_hint}")
 
 
 def _label_ok(line: bytes, int8: bool) -> bool:
@@ -739,6 +741,28 @@ def _label_ok(line: bytes, int8: bool) -> bool:
 def _join_lines(lines: list[bytes], drop: set[int]) -> bytes:
     kept = [ln for i, ln in enumerate(lines) if i not in drop]
     return b"\n".join(kept) + b"\n" if kept else b""
+
+
+def decoded_blocks(paths: Sequence[Path], *, labels: bool = True, block_size: int = 8 << 20):
+    """Parsed, checked blocks of raw rows in input order, for scoring
+    (recsys predict): (_Decoded, input bytes read so far). A bad line is a
+    UserError naming the file, line and column."""
+    cfg = CriteoConfig(input=[str(p) for p in paths], labels=labels, block_size=block_size)
+    reader = _Reader(cfg, paths)
+    reader.skip_hint = ""  # every row must be scored: no skipping
+    for ch in _Prefetch(reader.chunks(want_dense=True)):
+        yield ch.decoded, ch.block.bytes_read
+
+
+def count_fields(path: Path) -> int:
+    """Tab-separated fields of the file's first non-empty line (40 labelled, 39 not)."""
+    for piece, _ in _pieces(path, 1 << 16):
+        for line in piece.split(b"\n"):
+            line = _strip_cr(line)
+            if line:
+                return line.count(b"\t") + 1
+        break
+    return 0
 
 
 # --------------------------------------------------------------------------- progress

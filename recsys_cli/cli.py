@@ -20,6 +20,7 @@ commands:
   preprocess criteo     raw Criteo TSV -> parquet shards + manifest (input=PATH output=DIR)
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
+  predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
             from recsys_cli.report import run_report
 
             run_report(rest)
+        elif command == "predict":
+            from recsys_cli.predict import run_predict
+
+            run_predict(rest)
         else:
             print(USAGE)
             fail(f"unknown command {command!r}")

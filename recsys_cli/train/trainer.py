@@ -319,8 +319,12 @@ class Trainer:
             raise UserError(f"loss is {loss} at step {self.step} (try a smaller optimizer.lr){where}")
 
     # --- evaluation ------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, split: str) -> dict:
+        return binary_metrics(*self.predictions(split))
+
+    @torch.no_grad()
+    def predictions(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits and labels of every row of `split`, in the split's order."""
         self.model.eval()
         logits, labels = [], []
         if self.sync is not None:
@@ -336,7 +340,7 @@ class Trainer:
         logits, labels = torch.cat(logits), torch.cat(labels)
         if self.sync is not None:  # the whole split: every rank's predictions
             logits, labels = self.sync.gather_predictions(logits, labels)
-        return binary_metrics(logits, labels)
+        return logits, labels
 
     def evaluate_and_log(self, split: str) -> dict:
         result = self.evaluate(split)
@@ -359,6 +363,10 @@ class Trainer:
                            for g in self.embeddings.groups],
             "torch_rng": torch.get_rng_state(),
             "features": {f.name: f.vocab_size for f in self.manifest.sparse_features},
+            # what `recsys predict` needs to map raw rows: the dataset's vocabulary, and where rows lived
+            "dataset_dir": str(self.dataset_dir.absolute()),
+            "vocabulary": self.manifest.options.get("vocabulary", {}).get("fingerprint"),
+            "table_tiers": {t.name: g.store_tier for g in self.embeddings.groups for t in g.tables},
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 

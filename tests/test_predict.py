@@ -1,0 +1,136 @@
+"""`recsys predict`: raw TSV == the preprocessed dataset == the trainer's own
+evaluation, bit for bit in fp32; unlabelled input; atomic output; bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_criteo_preprocess import RECSYS, make_rows, write_raw
+from train_config import config
+
+from data_tools.criteo import CriteoConfig, preprocess
+from data_tools.manifest import load_manifest
+from recsys_cli.errors import UserError
+from recsys_cli.inference import load_model
+from recsys_cli.predict import PredictConfig, dataset_logits, predict, raw_logits, training_vocabulary
+from recsys_cli.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Criteo-format dataset (vocabulary mode, ratios split), a short run on
+    it, the run's own val logits, and the raw lines of the val split."""
+    tmp = tmp_path_factory.mktemp("predict")
+    rows = make_rows(3000, seed=5)
+    raw = write_raw(tmp / "train.txt", rows)
+    m = preprocess(CriteoConfig(input=str(raw), output=str(tmp / "data"), split="ratios", ratios=[0.8, 0.1, 0.1],
+                                progress=False))
+    cfg = config(tmp / "cache", dataset__path=str(tmp / "data"), trainer__max_steps=40, trainer__batch_size=64,
+                 trainer__eval_batch_size=128, trainer__checkpoint_dir=str(tmp / "run" / "checkpoints"),
+                 trainer__device="cpu")
+    (tmp / "run").mkdir()
+    trainer = Trainer(cfg, run_dir=tmp / "run")
+    trainer.fit()
+    logits, labels = trainer.predictions("val")
+    n_train = m.splits["train"].rows
+    val_rows = rows[n_train:n_train + m.splits["val"].rows]
+    return {"tmp": tmp, "rows": rows, "val_rows": val_rows, "logits": logits, "labels": labels,
+            "run": tmp / "run", "data": tmp / "data", "trainer": trainer}
+
+
+def test_raw_equals_dataset_equals_trainer(trained, tmp_path):
+    loaded = load_model(trained["run"], device="cpu")
+    ref = trained["logits"]
+    from_dataset = torch.cat([lg for lg, _ in dataset_logits(loaded, trained["data"], ["val"], 128)])
+    assert torch.equal(from_dataset, ref)
+    raw = write_raw(tmp_path / "val.txt", trained["val_rows"])
+    vocab = training_vocabulary(loaded, None)
+    out = list(raw_logits(loaded, [raw], vocab, True, 128, block_size=4096))  # many small blocks, re-batched
+    assert [len(lg) for lg, _ in out[:-1]] == [128] * (len(out) - 1)
+    assert torch.equal(torch.cat([lg for lg, _ in out]), ref)
+    assert torch.equal(torch.cat([lb for _, lb in out]), trained["labels"])
+    # unlabelled (39 fields, gzip'd): the same logits
+    raw39 = write_raw(tmp_path / "test.txt.gz", [r[1:] for r in trained["val_rows"]], gz=True)
+    out39 = torch.cat([lg for lg, _ in raw_logits(loaded, [raw39], vocab, False, 128, block_size=4096)])
+    assert torch.equal(out39, ref)
+
+
+def read_csv(path: Path):
+    lines = path.read_text().splitlines()
+    return lines[0], [line.split(",") for line in lines[1:]]
+
+
+def test_predict_command_writes_input_order_csv(trained, tmp_path):
+    raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
+    out = tmp_path / "sub" / "preds.csv"
+    predict(PredictConfig(checkpoint=str(trained["run"]), input=str(raw39), output=str(out), id_start=60000000,
+                          progress=False, device="cpu"))
+    header, rows = read_csv(out)
+    assert header == "Id,Predicted"
+    assert [int(r[0]) for r in rows] == list(range(60000000, 60000000 + len(trained["val_rows"])))
+    probs = np.array([np.float32(r[1]) for r in rows], dtype=np.float32)
+    np.testing.assert_array_equal(probs, torch.sigmoid(trained["logits"]).numpy())
+    assert not list(out.parent.glob(".*tmp*"))
+    # the preprocessed dataset as input, every split in input order
+    out2 = tmp_path / "all.csv"
+    predict(PredictConfig(checkpoint=str(trained["run"] / "checkpoints"), input=str(trained["data"]),
+                          output=str(out2), progress=False, device="cpu"))
+    header, rows2 = read_csv(out2)
+    assert header == "Predicted" and len(rows2) == len(trained["rows"])
+    m = load_manifest(trained["data"])
+    lo = m.splits["train"].rows
+    np.testing.assert_array_equal(np.array([np.float32(r[0]) for r in rows2[lo:lo + len(rows)]]), probs)
+
+
+def test_unlabelled_dataset_with_vocab(trained, tmp_path):
+    """preprocess labels=false vocab=TRAINED, then predict on that dataset."""
+    raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
+    preprocess(CriteoConfig(input=str(raw39), output=str(tmp_path / "unl"), vocab=str(trained["data"]),
+                            labels=False, split="none", progress=False))
+    loaded = load_model(trained["run"], device="cpu")
+    got = [(lg, lb) for lg, lb in dataset_logits(loaded, tmp_path / "unl", ["all"], 128)]
+    assert torch.equal(torch.cat([lg for lg, _ in got]), trained["logits"])
+    assert torch.isnan(torch.cat([lb for _, lb in got])).all()
+
+
+def test_predict_bad_input(trained, tmp_path):
+    good = write_raw(tmp_path / "ok.txt", trained["val_rows"][:10])
+    base = dict(checkpoint=str(trained["run"]), input=str(good), output=str(tmp_path / "p.csv"), progress=False,
+                device="cpu")
+    with pytest.raises(UserError, match="checkpoint .*missing.* does not exist"):
+        predict(PredictConfig(**{**base, "checkpoint": str(tmp_path / "missing")}))
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\t".join(trained["val_rows"][0][:30]) + "\n")
+    with pytest.raises(UserError, match=r"bad.txt line 1: expected 40 tab-separated fields .* found 30"):
+        predict(PredictConfig(**{**base, "input": str(bad)}))
+    # a row with a wrong field count after good ones: named by line, and no output left behind
+    lines = ["\t".join(r) for r in trained["val_rows"][:5]] + ["\t".join(trained["val_rows"][5][1:])]
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"bad.txt line 6: expected 40 tab-separated fields, found 39 \(unlabelled input\? give labels=false\)$"):
+        predict(PredictConfig(**{**base, "input": str(bad), "labels": True}))
+    assert not (tmp_path / "p.csv").exists() and not list(tmp_path.glob(".p.csv.tmp*"))
+    # another vocabulary: a dataset built from other rows
+    other = write_raw(tmp_path / "other.txt", make_rows(500, seed=9))
+    preprocess(CriteoConfig(input=str(other), output=str(tmp_path / "other"), progress=False))
+    with pytest.raises(UserError, match="vocabulary mismatch"):
+        predict(PredictConfig(**{**base, "input": str(tmp_path / "other")}))
+    with pytest.raises(UserError, match="vocabulary mismatch"):
+        predict(PredictConfig(**{**base, "vocab": str(tmp_path / "other")}))
+
+
+def test_cli_errors_are_one_line_exit_2(trained, tmp_path):
+    cases = [
+        ["predict", f"checkpoint={tmp_path / 'nope'}", f"input={tmp_path}", f"output={tmp_path / 'p.csv'}"],
+        ["predict", f"checkpoint={trained['run']}", f"input={tmp_path / 'none.txt'}", f"output={tmp_path / 'p.csv'}"],
+        ["predict", "checkpoint=x", "bogus=1"],
+    ]
+    for argv in cases:
+        r = subprocess.run([str(RECSYS), *argv], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

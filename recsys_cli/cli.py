@@ -21,6 +21,7 @@ commands:
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
+  evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
             from recsys_cli.predict import run_predict
 
             run_predict(rest)
+        elif command == "evaluate":
+            from recsys_cli.evaluate import run_evaluate
+
+            run_evaluate(rest)
         else:
             print(USAGE)
             fail(f"unknown command {command!r}")

@@ -134,3 +134,56 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path):
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# --------------------------------------------------------------------------- recsys evaluate
+
+
+def test_evaluate_matches_the_trainers_metrics(trained, tmp_path):
+    import json
+
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+    from recsys_cli.train.metrics import binary_metrics, calibration, normalized_entropy
+
+    out = tmp_path / "eval"
+    result = evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(out), progress=False,
+                                     device="cpu"))
+    ref = binary_metrics(trained["logits"], trained["labels"])
+    for k in ("auc", "logloss", "accuracy", "samples"):
+        assert result[k] == ref[k]
+    probs = torch.sigmoid(trained["logits"].double())
+    assert result["normalized_entropy"] == normalized_entropy(trained["labels"], probs)
+    assert result["calibration"] == calibration(trained["labels"], probs)
+    bins = result["calibration_bins"]
+    assert sum(b["rows"] for b in bins) == len(trained["labels"])
+    p, y = probs.numpy(), trained["labels"].numpy()
+    for b in bins:
+        inside = (p >= b["lo"]) & ((p < b["hi"]) | (b["hi"] == 1.0))
+        assert b["rows"] == inside.sum()
+        if b["rows"]:
+            assert b["observed"] == pytest.approx(y[inside].mean()) and b["predicted"] == pytest.approx(p[inside].mean())
+    # the ROC curve's area is the AUC
+    fpr, tpr = np.array(result["roc"]["fpr"]), np.array(result["roc"]["tpr"])
+    assert np.trapezoid(tpr, fpr) == pytest.approx(ref["auc"], abs=1e-9)
+    assert json.loads((out / "evaluation.json").read_text())["auc"] == ref["auc"]
+    for png in ("roc.png", "calibration.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # rerun replaces its own output; a foreign directory is refused
+    evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(out), progress=False,
+                            device="cpu", plots=False))
+    assert not (out / "roc.png").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="was not written by `recsys evaluate`"):
+        evaluate(EvaluateConfig(checkpoint=str(trained["run"]), output=str(tmp_path / "mine"), progress=False))
+    assert (tmp_path / "mine" / "keep.txt").exists()
+
+
+def test_evaluate_refuses_unlabelled(trained, tmp_path):
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+
+    raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
+    preprocess(CriteoConfig(input=str(raw39), output=str(tmp_path / "unl"), vocab=str(trained["data"]),
+                            labels=False, split="none", progress=False))
+    with pytest.raises(UserError, match="has no labels"):
+        evaluate(EvaluateConfig(checkpoint=str(trained["run"]), dataset=str(tmp_path / "unl"), progress=False))

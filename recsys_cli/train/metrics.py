@@ -68,6 +68,61 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     }
 
 
+def normalized_entropy(labels, probs) -> float:
+    """Log loss over the entropy of the observed click rate (He et al. 2014,
+    "Practical lessons from predicting clicks on ads at Facebook"): 1.0 is no
+    better than always predicting the base rate; lower is better. nan when the
+    labels hold one class only."""
+    y = torch.as_tensor(labels).double().flatten()
+    p = torch.as_tensor(probs).double().flatten().clamp(1e-15, 1 - 1e-15)
+    rate = y.mean().item()
+    if not 0 < rate < 1:
+        return float("nan")
+    logloss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean().item()
+    return logloss / -(rate * math.log(rate) + (1 - rate) * math.log1p(-rate))
+
+
+def calibration(labels, probs) -> float:
+    """Mean predicted click probability over the observed click rate: 1.0 is
+    calibrated, above 1 over-predicts. nan without clicks."""
+    observed = torch.as_tensor(labels).double().mean().item()
+    return torch.as_tensor(probs).double().mean().item() / observed if observed > 0 else float("nan")
+
+
+def calibration_bins(labels, probs, bins: int = 10) -> list[dict]:
+    """Predicted vs observed click rate in `bins` equal-width bins of the
+    predicted probability: per bin its range, rows, mean prediction and
+    observed rate (None for an empty bin)."""
+    y = torch.as_tensor(labels).double().flatten()
+    p = torch.as_tensor(probs).double().flatten()
+    which = (p * bins).long().clamp_(0, bins - 1)
+    count = torch.bincount(which, minlength=bins)
+    pred = torch.bincount(which, weights=p, minlength=bins)
+    obs = torch.bincount(which, weights=y, minlength=bins)
+    return [{"lo": i / bins, "hi": (i + 1) / bins, "rows": int(count[i]),
+             "predicted": (pred[i] / count[i]).item() if count[i] else None,
+             "observed": (obs[i] / count[i]).item() if count[i] else None} for i in range(bins)]
+
+
+def roc_curve(scores, labels, points: int = 1001) -> dict[str, list[float]]:
+    """False and true positive rates at every distinct threshold (tied scores
+    move together), thinned to about `points` points for plotting."""
+    s = torch.as_tensor(scores).double().flatten()
+    y = torch.as_tensor(labels).flatten() > 0.5
+    order = torch.argsort(s, descending=True)
+    s, y = s[order], y[order].double()
+    tp, fp = torch.cumsum(y, 0), torch.cumsum(1 - y, 0)
+    last = torch.ones(len(s), dtype=torch.bool)
+    if len(s) > 1:
+        last[:-1] = s[1:] != s[:-1]  # the last row of each tie group
+    tp, fp = torch.cat([torch.zeros(1, dtype=torch.float64), tp[last]]), torch.cat([torch.zeros(1, dtype=torch.float64), fp[last]])
+    tpr, fpr = tp / max(tp[-1].item(), 1.0), fp / max(fp[-1].item(), 1.0)
+    if len(tpr) > points:
+        keep = torch.unique(torch.linspace(0, len(tpr) - 1, points).round().long())
+        tpr, fpr = tpr[keep], fpr[keep]
+    return {"fpr": fpr.tolist(), "tpr": tpr.tolist()}
+
+
 class PhaseTimer:
     """Wall seconds per phase of the step. On CUDA the device is synchronised
     at phase edges, so the split is honest (and costs a little throughput)."""

@@ -1,0 +1,170 @@
+"""`recsys evaluate checkpoint=RUN_OR_FILE [dataset=DIR] [split=test] [output=DIR]`
+
+Scores a split of a labelled dataset (default: the checkpoint's own dataset,
+its test split, else val) with the checkpoint and writes, into output
+(default: <run dir>/evaluate-<split>):
+
+  evaluation.json   AUC, log loss, accuracy, normalized entropy (log loss
+                    over the entropy of the observed click rate: 1.0 is the
+                    base rate, lower is better), calibration (mean predicted
+                    over observed click rate), calibration bins (predicted vs
+                    observed rate per tenth of the predicted probability),
+                    and the ROC curve's points
+  roc.png           the ROC curve
+  calibration.png   observed vs predicted click rate per bin
+
+The metrics are the trainer's (recsys_cli/train/metrics.py), computed from
+the same logits: evaluating a finished run's checkpoint on its val split
+gives the val AUC of its summary. precision= scores with the tables
+converted (e.g. int8, to see what an int8 export costs). The directory is
+built under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from recsys_cli.errors import UserError
+from recsys_cli.options import help_text, parse_options, require
+
+RESULT = "evaluation.json"
+
+
+@dataclass
+class EvaluateConfig:
+    checkpoint: Optional[str] = None
+    dataset: Optional[str] = None  # default: the dataset the checkpoint was trained on
+    split: Optional[str] = None  # default: test, else val
+    output: Optional[str] = None  # default: <run dir>/evaluate-<split>
+    bins: int = 10
+    batch_size: Optional[int] = None  # default: the run's trainer.eval_batch_size
+    device: str = "auto"
+    precision: Optional[str] = None
+    plots: bool = True
+    progress: bool = True
+
+
+def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
+    from recsys_cli.train.metrics import binary_metrics, calibration, calibration_bins, normalized_entropy, roc_curve
+
+    probs = torch.sigmoid(logits.double())
+    out = dict(binary_metrics(logits, labels))
+    out.setdefault("normalized_entropy", normalized_entropy(labels, probs))
+    out.setdefault("calibration", calibration(labels, probs))
+    out.setdefault("predicted_ctr", probs.mean().item())
+    out.setdefault("observed_ctr", labels.double().mean().item())
+    out["calibration_bins"] = calibration_bins(labels, probs, bins)
+    out["roc"] = roc_curve(logits, labels)
+    return out
+
+
+def plot(result: dict, directory: Path) -> list[Path]:
+    from matplotlib.figure import Figure
+
+    written = []
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    ax.plot(result["roc"]["fpr"], result["roc"]["tpr"], label=f"AUC {result['auc']:.4f}")
+    ax.plot([0, 1], [0, 1], linestyle=":", color="grey")
+    ax.set(xlabel="false positive rate", ylabel="true positive rate", xlim=(0, 1), ylim=(0, 1),
+           title=f"ROC: {result['split']} ({result['samples']:,} rows)")
+    ax.legend(loc="lower right")
+    written.append(directory / "roc.png")
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    full = [b for b in result["calibration_bins"] if b["rows"]]
+    ax.plot([b["predicted"] for b in full], [b["observed"] for b in full], marker="o",
+            label=f"calibration {result['calibration']:.3f}")
+    ax.plot([0, 1], [0, 1], linestyle=":", color="grey")
+    ax.set(xlabel="mean predicted click rate (bin)", ylabel="observed click rate", xlim=(0, 1), ylim=(0, 1),
+           title=f"calibration: {result['split']}, NE {result['normalized_entropy']:.4f}")
+    ax.legend(loc="upper left")
+    written.append(directory / "calibration.png")
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    return written
+
+
+def evaluate(cfg: EvaluateConfig, console=None) -> dict:
+    from rich.console import Console
+
+    from recsys_cli.inference import load_model
+    from recsys_cli.predict import RowProgress, check_dataset, dataset_logits
+    from recsys_cli.train.metrics import write_json_atomic
+
+    console = console or Console(stderr=True, highlight=False)
+    require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
+    if cfg.bins < 1:
+        raise UserError(f"bins must be >= 1, got {cfg.bins}")
+    loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
+    dataset = Path(cfg.dataset).expanduser() if cfg.dataset else loaded.dataset_dir
+    if dataset is None:
+        raise UserError(f"{loaded.checkpoint} does not say which dataset it was trained on: give dataset=DIR")
+    manifest = check_dataset(loaded, dataset)
+    if not manifest.labelled:
+        raise UserError(f"{dataset} has no labels (preprocessed with labels=false): use `recsys predict` on it")
+    split = cfg.split
+    if split is None:
+        split = next((s for s in ("test", "val") if s in manifest.splits and manifest.splits[s].rows), None)
+        if split is None:
+            raise UserError(f"{dataset} has no test or val rows: give split= (splits: {', '.join(manifest.splits)})")
+    if split not in manifest.splits or not manifest.splits[split].rows:
+        raise UserError(f"split {split!r} of {dataset} is missing or empty (splits: {', '.join(manifest.splits)})")
+    batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
+    run_dir = loaded.checkpoint.parent.parent if loaded.checkpoint.parent.name == "checkpoints" else loaded.checkpoint.parent
+    output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"evaluate-{split}"
+    if output.exists() and not (output / RESULT).is_file() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"output {output} exists and was not written by `recsys evaluate`; refusing to replace it")
+
+    logits, labels = [], []
+    with RowProgress(cfg.progress, manifest.splits[split].rows, "rows") as progress:
+        for lg, lb in dataset_logits(loaded, dataset, [split], batch_size, progress.advance):
+            logits.append(lg)
+            labels.append(lb)
+    logits, labels = torch.cat(logits), torch.cat(labels)
+    result = {"checkpoint": str(loaded.checkpoint), "dataset": str(dataset), "split": split,
+              "step": loaded.state.get("step"), "precision": loaded.tables.precision, **metrics(logits, labels, cfg.bins)}
+
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_json_atomic(tmp / RESULT, result)
+        notes = []
+        if cfg.plots:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+            else:
+                plot(result, tmp)
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
+    console.print(f"[bold]evaluate[/] {split} ({result['samples']:,} rows, tables {result['precision']}): "
+                  f"AUC {fmt(result['auc'])}, log loss {fmt(result['logloss'])}, NE {fmt(result['normalized_entropy'])}, "
+                  f"accuracy {fmt(result['accuracy'])}, calibration {fmt(result['calibration'])}")
+    for note in notes:
+        console.print(note)
+    console.print(f"wrote {output}")
+    return json.loads((output / RESULT).read_text())
+
+
+def run_evaluate(overrides: list[str]) -> None:
+    if any(o in ("-h", "--help") for o in overrides):
+        print(help_text(EvaluateConfig, "evaluate", __doc__))
+        return
+    evaluate(parse_options(EvaluateConfig, overrides, "evaluate"))

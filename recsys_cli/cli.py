@@ -21,6 +21,7 @@ commands:
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
+  export                a torch.export inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4)
   evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             from recsys_cli.evaluate import run_evaluate
 
             run_evaluate(rest)
+        elif command == "export":
+            from recsys_cli.export import run_export
+
+            run_export(rest)
         else:
             print(USAGE)
             fail(f"unknown command {command!r}")

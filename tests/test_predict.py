@@ -187,3 +187,46 @@ def test_evaluate_refuses_unlabelled(trained, tmp_path):
                             labels=False, split="none", progress=False))
     with pytest.raises(UserError, match="has no labels"):
         evaluate(EvaluateConfig(checkpoint=str(trained["run"]), dataset=str(tmp_path / "unl"), progress=False))
+
+
+# --------------------------------------------------------------------------- recsys export
+
+# Stated tolerance of the quantized exports against the fp32 checkpoint: the
+# largest change of a click probability on the test's val rows (README).
+EXPORT_TOLERANCE = {"fp16": 1e-4, "int8": 2e-3, "int4": 2e-2}  # measured: 1.2e-5, 1.6e-4, 3.3e-3
+
+
+def val_inputs(trained):
+    from recsys_cli.data.loader import ShardLoader
+
+    batches = list(ShardLoader(trained["data"], "val", 10_000, shuffle=False, drop_last=False))
+    assert len(batches) == 1
+    b = batches[0]
+    return b.dense, b.sparse.values.view(len(b.sparse.keys), b.size).t().contiguous()
+
+
+def test_export_round_trip(trained, tmp_path):
+    from recsys_cli.export import ExportConfig, export, load_metadata
+
+    dense, ids = val_inputs(trained)
+    reference = torch.sigmoid(trained["logits"])
+    sizes, diffs = {}, {}
+    for precision in ("fp32", "fp16", "int8", "int4"):
+        out = tmp_path / f"model-{precision}.pt2"
+        r = export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, output=str(out)))
+        assert r["bytes"] == out.stat().st_size and not list(tmp_path.glob(".*tmp*"))
+        model = torch.export.load(str(out)).module()  # torch alone
+        p = model(dense, ids)
+        assert p.dtype == torch.float32 and p.shape == (len(dense),) and not p.requires_grad
+        assert torch.equal(model(dense[:1], ids[:1]), p[:1])  # any batch size
+        sizes[precision] = r["table_bytes"]
+        if precision == "fp32":
+            assert torch.equal(p, reference)
+        else:
+            diffs[precision] = (p - reference).abs().max().item()
+            assert 0 < diffs[precision] <= EXPORT_TOLERANCE[precision], diffs
+        meta = load_metadata(out)
+        assert meta["precision"] == precision and meta["features"] == trained["trainer"].state_dict()["features"]
+    dim, rows = 16, sum(trained["trainer"].state_dict()["features"].values())
+    assert sizes == {"fp32": rows * dim * 4, "fp16": rows * dim * 2, "int8": rows * (dim + 4),
+                     "int4": rows * (dim // 2 + 4)}

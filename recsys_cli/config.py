@@ -115,6 +115,10 @@ class TrainerConfig:
     # "true" resumes from checkpoint_dir's latest checkpoint, a path from that
     # checkpoint (file or directory).
     resume: Optional[str] = None
+    # Start a new run from this checkpoint's weights and optimizer state (a
+    # file or directory) on a dataset with the same vocabulary, e.g. the next
+    # day; unlike resume, the step count, data position and RNGs start afresh.
+    init_from: Optional[str] = None
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     nproc: int = 1

@@ -152,8 +152,13 @@ class Trainer:
         self.train_ctr = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.train_ctr_samples = 0
         self.sync: EmbeddingSync | None = None
+        if tc.resume and tc.init_from:
+            raise UserError("trainer.resume continues a run, trainer.init_from starts a new one from a checkpoint: "
+                            "give one of them")
         if tc.resume:
             self.resume(tc.resume)
+        elif tc.init_from:
+            self.init_from(tc.init_from)
         if self.dist.enabled:
             self.sync = EmbeddingSync(cfg, self.dist, self.model, self.timer, step=self.step)
 
@@ -406,6 +411,39 @@ class Trainer:
         self.samples = state["samples"]
         if self.console is not None:
             self.console.print(f"resumed from {path} at step {self.step}")
+
+    def init_from(self, location: str) -> None:
+        """Weights and optimizer state (dense and per row) from a checkpoint,
+        into this new run: its own step count, data order and RNGs, and its
+        own optimizer hyperparameters (lr...)."""
+        path = ckpt.find_checkpoint(location)
+        if self.dist.enabled:
+            path = distributed.broadcast_object(path)
+        state = ckpt.load_checkpoint(path)
+        expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
+        if state.get("features") != expected:
+            raise UserError(f"vocabulary mismatch: trainer.init_from={path} was trained on features "
+                            f"{state.get('features')}, {self.dataset_dir} has {expected}")
+        ours = self.manifest.options.get("vocabulary", {}).get("fingerprint")
+        if state.get("vocabulary") and ours and state["vocabulary"] != ours:
+            raise UserError(f"vocabulary mismatch: {self.dataset_dir} has another vocabulary than the data "
+                            f"{path} was trained on (preprocess it with vocab=THAT_DATASET)")
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise UserError(f"trainer.init_from={path}: its model does not fit this config's "
+                            f"({str(e).splitlines()[0]})") from None
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.dense_optimizer.param_groups]
+        try:
+            self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        except ValueError as e:
+            raise UserError(f"trainer.init_from={path}: its optimizer state does not fit optimizer."
+                            f"name={self.cfg.optimizer.name} ({e})") from None
+        for group, h in zip(self.dense_optimizer.param_groups, hyper):
+            group.update(h)
+        self.embeddings.load_table_state(state["tables"])
+        if self.console is not None:
+            self.console.print(f"initialised from {path} (trained {state['step']} steps)")
 
     # --- the report --------------------------------------------------------------
     def summary(self, final: dict) -> dict:

@@ -1,0 +1,71 @@
+"""trainer.init_from: a new run on the next day's data from a checkpoint's
+weights and optimizer state (not trainer.resume)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_criteo_preprocess import make_rows, write_raw
+from train_config import config
+
+from data_tools.criteo import CriteoConfig, preprocess
+from recsys_cli.data.loader import ShardLoader
+from recsys_cli.errors import UserError
+from recsys_cli.inference import load_model
+from recsys_cli.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("days")
+    preprocess(CriteoConfig(input=str(write_raw(tmp / "day0.txt", make_rows(2000, seed=1))), output=str(tmp / "day0"),
+                            split="ratios", progress=False))
+    preprocess(CriteoConfig(input=str(write_raw(tmp / "day1.txt", make_rows(1500, seed=2))), output=str(tmp / "day1"),
+                            vocab=str(tmp / "day0"), split="ratios", progress=False))
+    cfg = config(tmp / "cache", dataset__path=str(tmp / "day0"), trainer__max_steps=30, trainer__batch_size=64,
+                 trainer__checkpoint_dir=str(tmp / "run0"), trainer__device="cpu", optimizer__name="adagrad",
+                 optimizer__lr=0.05)
+    first = Trainer(cfg)
+    first.fit()
+    return tmp, first
+
+
+def test_init_from_continues_with_the_same_weights(days):
+    tmp, first = days
+    cfg = config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__max_steps=5, trainer__batch_size=64,
+                 trainer__device="cpu", optimizer__name="adagrad", optimizer__lr=0.01, trainer__seed=7,
+                 trainer__init_from=str(tmp / "run0"))
+    second = Trainer(cfg)
+    assert second.step == 0 and second.epoch == 0 and second.samples == 0
+    a, b = first.state_dict(), second.state_dict()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for name, table in a["tables"].items():
+        for k, v in table.items():
+            assert v == b["tables"][name][k] if isinstance(v, str) else torch.equal(v, b["tables"][name][k]), (name, k)
+    for pid, s in a["dense_optimizer"]["state"].items():
+        assert torch.equal(s["sum"], b["dense_optimizer"]["state"][pid]["sum"])
+    assert second.dense_optimizer.param_groups[0]["lr"] == 0.01  # the new run's hyperparameters
+    # the new run's first step starts from the checkpoint's model on day 1's first batch
+    loaded = load_model(tmp / "run0", device="cpu")
+    batch = next(iter(ShardLoader(tmp / "day1", "train", 64, shuffle=True, seed=7, drop_last=True)))
+    expect = F.binary_cross_entropy_with_logits(loaded.logits(batch), batch.labels).item()
+    second.record_losses = True
+    second.fit()
+    assert second.step_losses[0] == pytest.approx(expect, rel=1e-6)
+    assert second.step == 5
+
+
+def test_init_from_errors(days, tmp_path):
+    tmp, _ = days
+    preprocess(CriteoConfig(input=str(write_raw(tmp_path / "o.txt", make_rows(800, seed=9))), output=str(tmp_path / "o"),
+                            split="ratios", progress=False))
+    base = dict(trainer__max_steps=2, trainer__batch_size=64, trainer__device="cpu", optimizer__name="adagrad")
+    with pytest.raises(UserError, match="vocabulary mismatch"):
+        Trainer(config(tmp / "cache", dataset__path=str(tmp_path / "o"), trainer__init_from=str(tmp / "run0"), **base))
+    with pytest.raises(UserError, match="no checkpoint at"):
+        Trainer(config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__init_from=str(tmp_path / "nope"), **base))
+    with pytest.raises(UserError, match="give one of them"):
+        Trainer(config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__init_from=str(tmp / "run0"),
+                       trainer__resume=str(tmp / "run0"), **base))

@@ -129,6 +129,9 @@ class TrainerConfig:
     dist_timeout: float = 120.0
     progress: bool = True
     loader_queue_depth: int = 8
+    # metrics.jsonl is always written; tensorboard also writes the same scalars
+    # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
+    logger: str = "jsonl"  # jsonl | tensorboard
 
 
 @dataclass
@@ -156,6 +159,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.schedule": ("constant", "warmup_poly"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.embedding_sync": ("grad", "cache_avg"),
+    "trainer.logger": ("jsonl", "tensorboard"),
 }
 
 

@@ -30,7 +30,8 @@ from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
 from recsys_cli.train.embedding_sync import EmbeddingSync
 from recsys_cli.train.embedding_sync import check as check_embedding_sync
-from recsys_cli.train.metrics import MetricsLog, PhaseTimer, binary_metrics, write_json_atomic
+from recsys_cli.train.loggers import make_log
+from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
 
@@ -136,7 +137,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(opt, self.total_steps)
 
         self.timer = PhaseTimer(self.device)
-        self.log = MetricsLog(run_dir / "metrics.jsonl" if run_dir and self.dist.is_main else None)
+        self.log = make_log(tc.logger, run_dir, self.dist.is_main)
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0
         self.epoch = 0
@@ -208,8 +209,7 @@ class Trainer:
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
                         rate = running_steps * tc.batch_size / (now - last_log)
-                        self.log.write({"step": self.step, "epoch": self.epoch, "loss": mean_loss, "samples_per_second": rate,
-                                        "lr": self.schedule.lr(self.step)})
+                        self.log.write(self.step_record(mean_loss, rate))
                         progress.update(self.step, mean_loss, rate)
                         running_loss.zero_()
                         running_steps, last_log = 0, now
@@ -226,6 +226,16 @@ class Trainer:
         if self.checkpoint_dir is not None:
             self.save()
         return self.summary(final)
+
+    def step_record(self, loss: float, rate: float) -> dict:
+        """What a log line says: loss, speed, the cache's hit rate so far, and the seconds spent per phase."""
+        record = {"step": self.step, "epoch": self.epoch, "loss": loss, "samples_per_second": rate,
+                  "lr": self.schedule.lr(self.step)}
+        hit_rate = self.embeddings.stats().get("hit_rate")
+        if hit_rate is not None:
+            record["hit_rate"] = hit_rate
+        record["phase_seconds"] = {p: self.timer.seconds.get(p, 0.0) for p in PHASES}
+        return record
 
     def epoch_batches(self):
         """The rest of the current epoch, planned and (for lookahead) prefetched.

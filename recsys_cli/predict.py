@@ -84,14 +84,19 @@ def check_dataset(loaded: LoadedModel, dataset_dir: Path):
 def dataset_logits(loaded: LoadedModel, dataset_dir: Path, splits: list[str], batch_size: int,
                    advance=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, labels) batch by batch over the splits, rows in split order."""
+    from data_tools.manifest import ManifestError
     from recsys_cli.data.loader import ShardLoader
 
     for split in splits:
-        loader = ShardLoader(dataset_dir, split, batch_size, shuffle=False, drop_last=False)
-        for batch in loader:
-            yield loaded.logits(batch).cpu(), batch.labels
-            if advance:
-                advance(batch.size)
+        try:
+            loader = ShardLoader(dataset_dir, split, batch_size, shuffle=False, drop_last=False)
+            batches = iter(loader)
+            while (batch := next(batches, None)) is not None:
+                yield loaded.logits(batch).cpu(), batch.labels
+                if advance:
+                    advance(batch.size)
+        except ManifestError as e:  # a shard missing, truncated or of another schema
+            raise UserError(str(e)) from None
 
 
 def training_vocabulary(loaded: LoadedModel, vocab_dir: str | None):
@@ -132,7 +137,7 @@ def raw_logits(loaded: LoadedModel, paths: list[Path], vocabulary, labels: bool,
         pend_dense, pend_ids, pend_labels = [dense[n:]], [ids[n:]], [lab[n:]]
         pending -= n
         logits = loaded.logits_onehot(torch.from_numpy(dense[:n]), torch.from_numpy(ids[:n]).long())
-        return logits.cpu(), torch.from_numpy(lab[:n])
+        return logits.cpu(), torch.tensor(lab[:n])  # a copy: the parser's arrays are read-only
 
     done = 0
     for d, nbytes in decoded_blocks(paths, labels=labels, block_size=block_size):

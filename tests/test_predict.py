@@ -123,11 +123,35 @@ def test_predict_bad_input(trained, tmp_path):
         predict(PredictConfig(**{**base, "vocab": str(tmp_path / "other")}))
 
 
+def test_truncated_checkpoint_and_missing_shard(trained, tmp_path):
+    import shutil
+
+    bad = tmp_path / "step-00000001.pt"
+    bad.write_bytes((trained["run"] / "checkpoints" / sorted(
+        p.name for p in (trained["run"] / "checkpoints").glob("step-*.pt"))[-1]).read_bytes()[:1000])
+    with pytest.raises(UserError, match="cannot read checkpoint"):
+        load_model(bad)
+    data = tmp_path / "data"
+    shutil.copytree(trained["data"], data)
+    m = load_manifest(data)
+    (data / m.splits["val"].shards[0].file).unlink()
+    with pytest.raises(UserError, match="shard listed in the manifest is missing"):
+        predict(PredictConfig(checkpoint=str(trained["run"]), input=str(data), split="val",
+                              output=str(tmp_path / "p.csv"), progress=False, device="cpu"))
+    assert not (tmp_path / "p.csv").exists()
+
+
 def test_cli_errors_are_one_line_exit_2(trained, tmp_path):
     cases = [
         ["predict", f"checkpoint={tmp_path / 'nope'}", f"input={tmp_path}", f"output={tmp_path / 'p.csv'}"],
         ["predict", f"checkpoint={trained['run']}", f"input={tmp_path / 'none.txt'}", f"output={tmp_path / 'p.csv'}"],
         ["predict", "checkpoint=x", "bogus=1"],
+        ["predict", f"checkpoint={trained['run']}", f"input={trained['tmp'] / 'train.txt'}",
+         f"output={tmp_path / 'p.csv'}", f"vocab={tmp_path}"],
+        ["evaluate", f"checkpoint={tmp_path / 'nope'}"],
+        ["evaluate", f"checkpoint={trained['run']}", "split=nosuch", f"output={tmp_path / 'e'}"],
+        ["export", f"checkpoint={trained['run']}", "precision=int3"],
+        ["export", f"checkpoint={tmp_path / 'nope'}"],
     ]
     for argv in cases:
         r = subprocess.run([str(RECSYS), *argv], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})

@@ -254,3 +254,26 @@ def test_export_round_trip(trained, tmp_path):
     dim, rows = 16, sum(trained["trainer"].state_dict()["features"].values())
     assert sizes == {"fp32": rows * dim * 4, "fp16": rows * dim * 2, "int8": rows * (dim + 4),
                      "int4": rows * (dim // 2 + 4)}
+
+
+@pytest.mark.parametrize("placement,precision", [("lookahead", "int8"), ("uvm", "fp16"), ("cache", "int4")])
+def test_predict_any_placement_and_precision(trained, tmp_path, placement, precision):
+    """A checkpoint of any placement and precision scores like a trainer that
+    resumed from it (its tables as saved, caches empty), bit for bit."""
+    from omegaconf import OmegaConf
+
+    def cfg(**kw):
+        c = config(tmp_path / "cache", dataset__path=str(trained["data"]), trainer__max_steps=30,
+                   trainer__batch_size=64, trainer__eval_batch_size=128, trainer__device="cpu",
+                   trainer__checkpoint_dir=str(tmp_path / "ck"), **kw)
+        c.placement = OmegaConf.merge(c.placement, {"kind": placement, "cache_ratio": 0.2})
+        c.precision = OmegaConf.merge(c.precision, {"kind": precision})
+        return c
+
+    Trainer(cfg()).fit()
+    resumed = Trainer(cfg(trainer__resume=str(tmp_path / "ck")))
+    ref, _ = resumed.predictions("val")
+    loaded = load_model(tmp_path / "ck", device="cpu")
+    assert loaded.tables.precision == precision
+    got = torch.cat([lg for lg, _ in dataset_logits(loaded, trained["data"], ["val"], 128)])
+    assert torch.equal(got, ref)

@@ -1,4 +1,5 @@
-"""The `recsys` command: `recsys train ...`, `recsys preprocess SOURCE ...`, `recsys report DIR`.
+"""The `recsys` command: `recsys train ...`, `recsys preprocess SOURCE ...`, `recsys report DIR`,
+`recsys predict|evaluate|export key=value ...`.
 
 Each subcommand is a Hydra app over configs/; the word after `recsys` picks it
 and the remaining arguments are Hydra overrides.

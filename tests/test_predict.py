@@ -203,7 +203,7 @@ def test_evaluate_matches_the_trainers_metrics(trained, tmp_path):
     assert (tmp_path / "mine" / "keep.txt").exists()
 
 
-def test_evaluate_refuses_unlabelled(trained, tmp_path):
+def test_evaluate_and_train_refuse_unlabelled(trained, tmp_path):
     from recsys_cli.evaluate import EvaluateConfig, evaluate
 
     raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
@@ -211,6 +211,8 @@ def test_evaluate_refuses_unlabelled(trained, tmp_path):
                             labels=False, split="none", progress=False))
     with pytest.raises(UserError, match="has no labels"):
         evaluate(EvaluateConfig(checkpoint=str(trained["run"]), dataset=str(tmp_path / "unl"), progress=False))
+    with pytest.raises(UserError, match="has no labels"):
+        Trainer(config(tmp_path / "cache", dataset__path=str(tmp_path / "unl")))
 
 
 # --------------------------------------------------------------------------- recsys export

@@ -80,6 +80,9 @@ class Trainer:
             self.manifest = load_manifest(self.dataset_dir)
         except ManifestError as e:
             raise UserError(str(e)) from None
+        if not self.manifest.labelled:
+            raise UserError(f"{self.dataset_dir} has no labels (preprocessed with labels=false): train on labelled "
+                            "data, and score this one with `recsys predict`")
         features = self.manifest.feature_names
         if cfg.model.features is not None and list(cfg.model.features) != features:
             raise UserError(

@@ -92,6 +92,11 @@ def peak_rss_mb() -> float:
 # --------------------------------------------------------------------------- children (one system each)
 
 
+def child_build(work: str, rows: int) -> dict:
+    raw, data, ckpt = build(Path(work), rows)
+    return {"raw": str(raw), "data": str(data), "ckpt": str(ckpt)}
+
+
 def child_predict(raw: str, ckpt: str, out: str) -> dict:
     from recsys_cli.predict import PredictConfig, predict
 
@@ -166,7 +171,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="predict-bench-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        raw, data, ckpt = build(work, args.rows)
+        # in a child: a forked process starts with its parent's peak RSS, so the parent stays small
+        built = run_child("build", str(work), args.rows)
+        raw, ckpt = Path(built["raw"]), Path(built["ckpt"])
         mb = raw.stat().st_size / 2**20
         pred = run_child("predict", str(raw), str(ckpt), str(work / "preds.csv"))
         parse = run_child("parse", str(raw), str(ckpt))

@@ -22,8 +22,8 @@ commands:
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
-  export                a torch.export inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4)
   evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
+  export                a torch.export inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4)
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """

@@ -53,14 +53,10 @@ class EvaluateConfig:
 
 
 def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
-    from recsys_cli.train.metrics import binary_metrics, calibration, calibration_bins, normalized_entropy, roc_curve
+    from recsys_cli.train.metrics import binary_metrics, calibration_bins, roc_curve
 
     probs = torch.sigmoid(logits.double())
-    out = dict(binary_metrics(logits, labels))
-    out.setdefault("normalized_entropy", normalized_entropy(labels, probs))
-    out.setdefault("calibration", calibration(labels, probs))
-    out.setdefault("predicted_ctr", probs.mean().item())
-    out.setdefault("observed_ctr", labels.double().mean().item())
+    out = dict(binary_metrics(logits, labels))  # auc, logloss, normalized_entropy, accuracy, calibration...
     out["calibration_bins"] = calibration_bins(labels, probs, bins)
     out["roc"] = roc_curve(logits, labels)
     return out

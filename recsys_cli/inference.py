@@ -196,7 +196,9 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
                              int(cfg["model"]["embedding_dim"]))
     m = cfg["model"]
     num_dense = int(state["model"]["bottom.0.weight"].shape[1])
-    model = DLRM(num_dense, tables, list(m["bottom_mlp"]), list(m["top_mlp"]), m["interaction"])
+    # init="torch": the checkpoint's weights replace whatever the constructor draws
+    model = DLRM(num_dense, tables, list(m["bottom_mlp"]), list(m["top_mlp"]), m["interaction"], init="torch",
+                 dcn_layers=int(m.get("dcn_layers", 3)), dcn_rank=int(m.get("dcn_rank", 512)))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if not k.startswith("embeddings.")]
     if missing or unexpected:

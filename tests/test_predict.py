@@ -244,7 +244,8 @@ def test_export_round_trip(trained, tmp_path):
         model = torch.export.load(str(out)).module()  # torch alone
         p = model(dense, ids)
         assert p.dtype == torch.float32 and p.shape == (len(dense),) and not p.requires_grad
-        assert torch.equal(model(dense[:1], ids[:1]), p[:1])  # any batch size
+        # any batch size runs (the last bits may differ: a GEMM's rounding depends on its row count)
+        torch.testing.assert_close(model(dense[:1], ids[:1]), p[:1], rtol=1e-5, atol=1e-6)
         sizes[precision] = r["table_bytes"]
         if precision == "fp32":
             assert torch.equal(p, reference)
@@ -258,8 +259,9 @@ def test_export_round_trip(trained, tmp_path):
                      "int4": rows * (dim // 2 + 4)}
 
 
-@pytest.mark.parametrize("placement,precision", [("lookahead", "int8"), ("uvm", "fp16"), ("cache", "int4")])
-def test_predict_any_placement_and_precision(trained, tmp_path, placement, precision):
+@pytest.mark.parametrize("placement,precision,interaction", [("lookahead", "int8", "dot"), ("uvm", "fp16", "dot"),
+                                                             ("cache", "int4", "dot"), ("device", "fp32", "dcn")])
+def test_predict_any_placement_and_precision(trained, tmp_path, placement, precision, interaction):
     """A checkpoint of any placement and precision scores like a trainer that
     resumed from it (its tables as saved, caches empty), bit for bit."""
     from omegaconf import OmegaConf
@@ -267,7 +269,8 @@ def test_predict_any_placement_and_precision(trained, tmp_path, placement, preci
     def cfg(**kw):
         c = config(tmp_path / "cache", dataset__path=str(trained["data"]), trainer__max_steps=30,
                    trainer__batch_size=64, trainer__eval_batch_size=128, trainer__device="cpu",
-                   trainer__checkpoint_dir=str(tmp_path / "ck"), **kw)
+                   trainer__checkpoint_dir=str(tmp_path / "ck"), model__interaction=interaction, model__dcn_rank=8,
+                   **kw)
         c.placement = OmegaConf.merge(c.placement, {"kind": placement, "cache_ratio": 0.2})
         c.precision = OmegaConf.merge(c.precision, {"kind": precision})
         return c

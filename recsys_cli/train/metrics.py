@@ -68,33 +68,11 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     }
 
 
-def normalized_entropy(labels, probs) -> float:
-    """Log loss over the entropy of the observed click rate (He et al. 2014,
-    "Practical lessons from predicting clicks on ads at Facebook"): 1.0 is no
-    better than always predicting the base rate; lower is better. nan when the
-    labels hold one class only."""
-    y = torch.as_tensor(labels).double().flatten()
-    p = torch.as_tensor(probs).double().flatten().clamp(1e-15, 1 - 1e-15)
-    rate = y.mean().item()
-    if not 0 < rate < 1:
-        return float("nan")
-    logloss = -(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean().item()
-    return logloss / -(rate * math.log(rate) + (1 - rate) * math.log1p(-rate))
-
-
-def calibration(labels, probs) -> float:
-    """Mean predicted click probability over the observed click rate: 1.0 is
-    calibrated, above 1 over-predicts. nan without clicks."""
-    observed = torch.as_tensor(labels).double().mean().item()
-    return torch.as_tensor(probs).double().mean().item() / observed if observed > 0 else float("nan")
-
-
 def calibration_bins(labels, probs, bins: int = 10) -> list[dict]:
     """Predicted vs observed click rate in `bins` equal-width bins of the
     predicted probability: per bin its range, rows, mean prediction and
     observed rate (None for an empty bin)."""
-    y = torch.as_tensor(labels).double().flatten()
-    p = torch.as_tensor(probs).double().flatten()
+    y, p = _as_float64(labels), _as_float64(probs)
     which = (p * bins).long().clamp_(0, bins - 1)
     count = torch.bincount(which, minlength=bins)
     pred = torch.bincount(which, weights=p, minlength=bins)
@@ -107,8 +85,8 @@ def calibration_bins(labels, probs, bins: int = 10) -> list[dict]:
 def roc_curve(scores, labels, points: int = 1001) -> dict[str, list[float]]:
     """False and true positive rates at every distinct threshold (tied scores
     move together), thinned to about `points` points for plotting."""
-    s = torch.as_tensor(scores).double().flatten()
-    y = torch.as_tensor(labels).flatten() > 0.5
+    s = _as_float64(scores)
+    y = _as_float64(labels) > 0.5
     order = torch.argsort(s, descending=True)
     s, y = s[order], y[order].double()
     tp, fp = torch.cumsum(y, 0), torch.cumsum(1 - y, 0)

@@ -21,6 +21,7 @@ SUITE = {
     "dedup": ["bench.dedup_bench", "--rows", "200000", "--steps", "150", "--record"],
     "distributed": ["bench.distributed_bench", "--record"],
     "quality": ["bench.quality_bench", "--record"],
+    "predict": ["bench.predict_bench", "--rows", "1000000", "--record"],
 }
 QUICK = {
     "preprocess": ["--rows", "200000"],
@@ -30,6 +31,7 @@ QUICK = {
     "dedup": ["--rows", "20000", "--steps", "20"],
     "distributed": ["--quick"],
     "quality": ["--rows", "20000", "--seeds", "2"],
+    "predict": ["--rows", "50000", "--no-export"],
 }
 
 

@@ -207,7 +207,8 @@ class ShardWriter:
         self._writer.close()
         assert self._file is not None
         rel = self._file.relative_to(self.root).as_posix()
-        self.shards.append(Shard(file=rel, rows=self._file_rows, sha256=sha256_file(self._file)))
+        self.shards.append(Shard(file=rel, rows=self._file_rows, sha256=sha256_file(self._file),
+                                 bytes=self._file.stat().st_size))
         self._writer = None
         self._file = None
 
@@ -218,7 +219,8 @@ class ShardWriter:
         self._close_file()
         dst = self.root / self.split / f"part-{len(self.shards):05d}.parquet"
         os.replace(src, dst)
-        self.shards.append(Shard(file=dst.relative_to(self.root).as_posix(), rows=shard.rows, sha256=shard.sha256))
+        self.shards.append(Shard(file=dst.relative_to(self.root).as_posix(), rows=shard.rows, sha256=shard.sha256,
+                                 bytes=dst.stat().st_size))
         self.rows += shard.rows
 
     def close(self) -> Split:

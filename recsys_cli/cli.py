@@ -26,7 +26,8 @@ commands:
 
 
 def fail(message: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    # soft_wrap: one line whatever the terminal width (scripts grep it)
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

@@ -916,6 +916,9 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     console = console or Console(stderr=True, highlight=False)
     paths = resolve_inputs(cfg.input)
     output = Path(cfg.output).expanduser()
+    for p in paths:  # it would be read while its directory is replaced
+        if output.resolve() in p.resolve().parents:
+            raise UserError(f"input {p} is inside the output directory {output}; write the dataset elsewhere")
     sh.check_output(output.absolute())
     total_bytes = sum(p.stat().st_size for p in paths)
     label_type = np.int8 if cfg.label_dtype == "int8" else np.float32

@@ -92,3 +92,73 @@ def test_negative_ids_are_outside_the_table(tmp_path):
     (data / MANIFEST_NAME).write_text(json.dumps(m))
     with pytest.raises(UserError, match=r"val-00000.parquet: row group 0, feature C1: id -3 is outside \[0, 1000\)"):
         list(ShardLoader(data, "val", 50, shuffle=False))
+
+
+# --- 3. preprocess replaces only what it wrote -------------------------------------------------------------------
+
+
+def criteo_lines(n: int, seed: int = 0, columns: int = 40) -> str:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        fields = [str(rng.randint(0, 1))] + [str(rng.randint(0, 50)) for _ in range(13)]
+        fields += [f"{rng.randint(0, 40):08x}" for _ in range(26)]
+        lines.append("\t".join(fields[40 - columns:]))
+    return "\n".join(lines) + "\n"
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_preprocess_replaces_only_its_own_files(tmp_path):
+    from data_tools.criteo import CriteoConfig, preprocess
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(700))
+    out = tmp_path / "ds"
+    cfg = CriteoConfig(input=str(raw), output=str(out), progress=False, row_group_rows=50, shard_rows=100)
+    preprocess(cfg)
+    first = set(files_of(out))
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "keep.parquet").write_text("also mine")
+    raw.write_text(criteo_lines(300, seed=1))  # fewer rows: fewer shards than before
+    m = preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False, row_group_rows=50, shard_rows=100))
+    after = files_of(out)
+    assert after["notes.txt"] == b"mine" and after["mine/keep.parquet"] == b"also mine"
+    shards = {s.file for split in m.splits.values() for s in split.shards}
+    assert set(after) == shards | {"manifest.json", ".recsys-files.json", "notes.txt", "mine/keep.parquet"}
+    assert len(first - set(after)) > 0  # the old dataset's surplus shards are gone
+    assert not list(tmp_path.glob("ds.*"))  # no temporary or old directory left
+
+
+def test_preprocess_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
+    from data_tools.criteo import CriteoConfig, preprocess
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    listed = json.loads((out / ".recsys-files.json").read_text())
+    (out / ".recsys-files.json").write_text(json.dumps([f for f in listed if f != "train/part-00000.parquet"]))
+    before = files_of(out)
+    with pytest.raises(UserError, match=r"holds train/part-00000.parquet, which recsys did not write"):
+        preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    assert files_of(out) == before
+
+
+def test_preprocess_refuses_an_input_inside_the_output(tmp_path):
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", "progress=false", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    inside = tmp_path / "ds" / "raw.tsv"
+    inside.write_text(criteo_lines(300, seed=2))
+    before = files_of(tmp_path / "ds")
+    r = recsys("preprocess", "criteo", f"input={inside}", "output=ds", "progress=false", cwd=tmp_path)
+    assert_user_error(r, str(inside), "inside the output directory ds")
+    assert files_of(tmp_path / "ds") == before

@@ -162,3 +162,32 @@ def test_preprocess_refuses_an_input_inside_the_output(tmp_path):
     r = recsys("preprocess", "criteo", f"input={inside}", "output=ds", "progress=false", cwd=tmp_path)
     assert_user_error(r, str(inside), "inside the output directory ds")
     assert files_of(tmp_path / "ds") == before
+
+
+# --- 4. one run per run directory ----------------------------------------------------------------------------------
+
+
+def test_a_second_run_in_a_busy_run_directory_fails_and_leaves_it_alone(tmp_path):
+    from recsys_cli.train import rundir
+
+    data = tiny_dataset(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the running run's files
+    with rundir.locked(run):  # a run holds the directory
+        r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+        assert_user_error(r, f"run directory {run}", f"in use by another recsys train (pid {os.getpid()})")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (run / ".hydra").exists() and not (run / "summary.json").exists()
+    assert not (run / "checkpoints").exists()
+
+
+def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
+    data = tiny_dataset(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text(dead.stdout)  # the lock file of a run that was killed
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()

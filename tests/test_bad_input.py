@@ -191,3 +191,44 @@ def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+# --- 6. metrics.jsonl after a resume ---------------------------------------------------------------------------------
+
+
+def records(run: Path) -> list[dict]:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        r.pop("samples_per_second", None)  # timing
+        out.append(r)
+    return out
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__epochs=3, trainer__log_every=4,
+                  trainer__eval_every=6, trainer__checkpoint_every=10)
+    Trainer(config(tmp_path, **common), run_dir=tmp_path / "full").fit()
+
+    step = Trainer.train_step
+
+    def dies_after_step_25(self, batch):
+        if self.step == 25:
+            raise Killed  # as if killed: checkpoint at 20, metrics written up to 20 plus the records of step 24
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", dies_after_step_25)
+    with pytest.raises(Killed):
+        Trainer(config(tmp_path, **common), run_dir=tmp_path / "run").fit()
+    assert max(r["step"] for r in records(tmp_path / "run")) > 20
+    monkeypatch.setattr(Trainer, "train_step", step)
+    Trainer(config(tmp_path, **common, trainer__resume="true"), run_dir=tmp_path / "run").fit()
+    assert records(tmp_path / "run") == records(tmp_path / "full")
+    assert not list((tmp_path / "run").glob("*.tmp"))

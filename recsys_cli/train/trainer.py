@@ -143,6 +143,8 @@ class Trainer:
         self.batch_in_epoch = 0
         self.samples = 0
         self.train_seconds = 0.0
+        self.running_loss, self.running_steps = torch.zeros((), device=self.device), 0  # since the last log line
+        self.saved_step: int | None = None
         self.step_losses: list[float] = []  # every step's loss, kept for tests and exactness checks
         self.record_losses = False
         self.evals: list[dict] = []
@@ -183,7 +185,7 @@ class Trainer:
     def fit(self) -> dict:
         tc = self.cfg.trainer
         progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
-        running_loss, running_steps, last_log = torch.zeros((), device=self.device), 0, time.perf_counter()
+        last_log = time.perf_counter()
         start = time.perf_counter()
         with progress:
             while self.step < self.total_steps:
@@ -194,32 +196,34 @@ class Trainer:
                     if batch is None:
                         break
                     loss = self.train_step(batch)
-                    running_loss += loss.detach()
-                    running_steps += 1
+                    self.running_loss += loss.detach()
+                    self.running_steps += 1
                     if self.record_losses:
                         self.step_losses.append(loss.item())
                     if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                        mean_loss = (running_loss / running_steps).item()
+                        mean_loss = (self.running_loss / self.running_steps).item()
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
-                        rate = running_steps * tc.batch_size / (now - last_log)
+                        rate = self.running_steps * tc.batch_size / (now - last_log)
                         self.log.write({"step": self.step, "epoch": self.epoch, "loss": mean_loss, "samples_per_second": rate,
                                         "lr": self.schedule.lr(self.step)})
                         progress.update(self.step, mean_loss, rate)
-                        running_loss.zero_()
-                        running_steps, last_log = 0, now
+                        self.running_loss.zero_()
+                        self.running_steps, last_log = 0, now
                     if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
                         self.evaluate_and_log("val")
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
-                        self.check_finite((running_loss / max(running_steps, 1)).item())
+                        self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         self.save()
                     if self.step >= self.total_steps:
                         batches.close()
                         break
         self.train_seconds += time.perf_counter() - start
-        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
-        if self.checkpoint_dir is not None:
+        # The trained model is saved before the final evaluation: an evaluation
+        # that fails (a damaged val/test shard) never costs the training.
+        if self.checkpoint_dir is not None and self.saved_step != self.step:
             self.save()
+        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
         return self.summary(final)
 
     def epoch_batches(self):
@@ -359,17 +363,24 @@ class Trainer:
                            for g in self.embeddings.groups],
             "torch_rng": torch.get_rng_state(),
             "features": {f.name: f.vocab_size for f in self.manifest.sparse_features},
+            "metrics": list(self.log.lines),  # metrics.jsonl up to here: a resumed run rewinds it
+            "running_loss": (self.running_loss.cpu(), self.running_steps),  # the next log line's mean
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
     def save(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
-        if self.sync is not None:
-            self.sync.before_checkpoint()
-            if not self.dist.is_main:  # rank 0 writes; every rank restores
-                return None
-        return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
+        self.saved_step = self.step
+        if self.sync is None:
+            return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
+        self.sync.before_checkpoint()
+        # Rank 0 writes (every rank restores); the others wait at a barrier of
+        # the checkpoint group, whose timeout is not the step's dist_timeout,
+        # so a save longer than that does not fail the run.
+        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()) if self.dist.is_main else None
+        distributed.checkpoint_barrier()
+        return path
 
     def resume(self, resume: str) -> None:
         if str(resume).lower() == "true":
@@ -396,6 +407,11 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.samples = state["samples"]
+        if "metrics" in state:
+            self.log.restore(state["metrics"])
+            loss, steps = state["running_loss"]
+            self.running_loss, self.running_steps = loss.to(self.device), steps
+        self.saved_step = self.step
         if self.console is not None:
             self.console.print(f"resumed from {path} at step {self.step}")
 

@@ -232,3 +232,35 @@ def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
     Trainer(config(tmp_path, **common, trainer__resume="true"), run_dir=tmp_path / "run").fit()
     assert records(tmp_path / "run") == records(tmp_path / "full")
     assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+# --- 5. resume into a different model ----------------------------------------------------------------------------
+
+
+def test_resume_into_another_model_names_the_keys_and_changes_nothing(tmp_path):
+    data = tiny_dataset(tmp_path)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ck = tmp_path / "run" / "checkpoints"
+    before = files_of(ck)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.resume=true", "hydra.run.dir=run2",
+               f"trainer.checkpoint_dir={ck}", "model.embedding_dim=8", "model.bottom_mlp=[64,8]",
+               "model.interaction=cat", cwd=tmp_path)
+    line = assert_user_error(r, str(ck / "step-00000006.pt"), "model.embedding_dim=16 in the checkpoint, 8 now",
+                             "model.bottom_mlp=[64, 16] in the checkpoint, [64, 8] now", "model.interaction")
+    assert "placement.*" in line  # says what may change
+    after = files_of(ck)
+    after.pop(".lock")  # the second run held the checkpoint directory while it checked
+    assert after == before
+
+
+def test_resume_may_change_placement_precision_and_trainer_keys(tmp_path):
+    data = tiny_dataset(tmp_path)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=10", "trainer.resume=true",
+               "+placement=lookahead", "placement.cache_rows=800", "+precision=int8", "hydra.run.dir=run2",
+               "trainer.checkpoint_dir=run/checkpoints", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert json.loads((tmp_path / "run2" / "summary.json").read_text())["steps"] == 10

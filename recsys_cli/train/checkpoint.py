@@ -65,3 +65,36 @@ def load_checkpoint(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
+
+
+# What a resumed run may change: where and in what precision the tables live,
+# how the trainer runs (but not the batch size: the loader position counts
+# batches) and where the dataset lies. Everything else (the model, the
+# optimizer, dedup, the dataset's content) must be the checkpoint's.
+RESUMABLE = ("placement.", "precision.", "trainer.", "dataset.path", "dataset.cache_dir")
+NOT_RESUMABLE = ("trainer.batch_size",)
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out: dict = {}
+    for k, v in node.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def check_resumable(path: Path, saved: dict, current: dict) -> None:
+    """UserError naming every key that differs and may not change on resume.
+    Keys only one side has (a newer or older config schema) are not compared."""
+    a, b = _flatten(saved), _flatten(current)
+    differ = [
+        f"{key}={a[key]!r} in the checkpoint, {b[key]!r} now"
+        for key in sorted(a.keys() & b.keys())
+        if a[key] != b[key] and (not key.startswith(RESUMABLE) or key in NOT_RESUMABLE)
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {path} was trained with another config: {'; '.join(differ)} (a resume may change only "
+            "placement.*, precision.*, trainer.* but trainer.batch_size, dataset.path and dataset.cache_dir)"
+        )

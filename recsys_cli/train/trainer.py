@@ -394,11 +394,16 @@ class Trainer:
         if self.dist.enabled:  # every rank loads the checkpoint rank 0 chose
             path = distributed.broadcast_object(path)
         state = ckpt.load_checkpoint(path)
+        if "config" in state:
+            ckpt.check_resumable(path, state["config"], OmegaConf.to_container(self.cfg, resolve=True))
         expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
         if state["features"] != expected:
             raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
-        self.model.load_state_dict(state["model"])
-        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
+            raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
         self.embeddings.load_table_state(state["tables"])
         if len(state["generators"]) == len(self.embeddings.groups):
             for g, s in zip(self.embeddings.groups, state["generators"]):

@@ -20,6 +20,7 @@ commands:
   preprocess criteo     raw Criteo TSV -> parquet shards + manifest (input=PATH output=DIR)
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
+  verify                check a dataset's shards against its manifest (recsys verify DIR)
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
             from recsys_cli.report import run_report
 
             run_report(rest)
+        elif command == "verify":
+            from recsys_cli.verify import run_verify
+
+            run_verify(rest)
         else:
             print(USAGE)
             fail(f"unknown command {command!r}")

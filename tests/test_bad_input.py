@@ -264,3 +264,53 @@ def test_resume_may_change_placement_precision_and_trainer_keys(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     assert json.loads((tmp_path / "run2" / "summary.json").read_text())["steps"] == 10
+
+
+# --- 2. corrupt shards ---------------------------------------------------------------------------------------------
+
+
+def damage(path: Path, at: float = 0.5) -> None:
+    """Flip a run of bytes inside the file (its size stays)."""
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i : i + 64] = bytes(b ^ 0x5A for b in data[i : i + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_train_shard_is_named_by_its_checksum(tmp_path):
+    data = tiny_dataset(tmp_path)
+    damage(data / "train-00001.parquet")
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "hydra.run.dir=run",
+               cwd=tmp_path)
+    assert_user_error(r, str(data / "train-00001.parquet"), "sha256", "recsys verify")
+    r = recsys("verify", data, cwd=tmp_path)
+    assert_user_error(r, "train-00001.parquet: sha256 differs")
+
+
+def test_a_truncated_shard_fails_at_start(tmp_path):
+    data = tiny_dataset(tmp_path)
+    shard = data / "test-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, str(shard), "bytes, the manifest says")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before any training
+
+
+def test_an_unreadable_val_shard_keeps_the_trained_model(tmp_path):
+    data = tiny_dataset(tmp_path)
+    shard = data / "val-00000.parquet"
+    damage(shard, at=0.3)
+    m = json.loads((data / MANIFEST_NAME).read_text())
+    m["splits"]["val"]["shards"][0]["sha256"] = ""  # a dataset without checksums: the read itself fails
+    (data / MANIFEST_NAME).write_text(json.dumps(m))
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, str(shard), "row group 0 cannot be read")
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 6  # the final checkpoint was written before the final evaluation
+
+
+def test_verify_accepts_a_good_dataset(tmp_path):
+    data = tiny_dataset(tmp_path)
+    r = recsys("verify", data, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "ok:" in r.stdout and "4 shards" in r.stdout

@@ -407,11 +407,24 @@ _LINE_RE = re.compile(
 )
 
 
+UNLABELLED = ("the input looks unlabelled (13 integer and 26 hex fields, no label, like Criteo's test.txt); "
+              "preprocess builds training data and needs the label as the first field")
+
+
+def _looks_unlabelled(fields: list[str]) -> bool:
+    """39 fields that are I1..I13 and C1..C26: a label-less line, not a damaged one."""
+    return (len(fields) == NUM_COLUMNS - 1
+            and all(v == "" or re.fullmatch(r" *-?[0-9]+ *", v) for v in fields[:NUM_DENSE])
+            and all(v == "" or re.fullmatch(r"[0-9a-fA-F]{8}", v) for v in fields[NUM_DENSE:]))
+
+
 def _diagnose(line: bytes, label_int8: bool) -> str:
     """Why a line is bad: 'column X: ...' (or a generic reason)."""
     text = line.decode("utf-8", errors="replace")
     fields = text.split("\t")
     if len(fields) != NUM_COLUMNS:
+        if _looks_unlabelled(fields):
+            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {UNLABELLED}"
         return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
     lab = fields[0]
     try:
@@ -611,6 +624,15 @@ class _Reader:
         self.cfg = cfg
         self.paths = paths
         self.parser = _Parser(cfg)
+        self.first_skipped: tuple[Path, int, bytes] | None = None  # on_error=skip: the first line dropped
+
+    def no_valid_rows(self) -> UserError:
+        message = f"no valid rows in {', '.join(map(str, self.paths))}"
+        if self.first_skipped is not None:
+            path, line, text = self.first_skipped
+            message += f": every line was skipped as bad (the first, {path} line {line}: "
+            message += f"{_diagnose(text, self.parser.label_int8)})"
+        return UserError(message)
 
     def chunks(self, want_dense: bool, known_bad: dict | None = None) -> Iterator[_Chunk]:
         # reading (and gunzipping) runs on its own thread, ahead of parsing
@@ -690,7 +712,11 @@ class _Reader:
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
                 raise UserError(f"{where} {reason} (on_error=skip drops such lines)")
+            if reason.endswith(UNLABELLED):  # skipping would skip every line
+                raise UserError(f"{where}: {reason}")
             raise UserError(f"{where}: {reason} (on_error=skip drops such lines)")
+        if self.first_skipped is None:
+            self.first_skipped = (self.paths[block.file_index], block.first_line + i, line)
 
 
 def _label_ok(line: bytes, int8: bool) -> bool:
@@ -843,7 +869,7 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         if spill is not None:
             spill.close()
     if total == 0:
-        raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
+        raise reader.no_valid_rows()
     # ---- the vocabulary: frequent values by descending count, ties by value
     lookups, vocab, distinct = [], [], {}
     for f, m in enumerate(maps):
@@ -954,7 +980,7 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
                 staging.abort()
                 raise
             if total == 0:
-                raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
+                raise reader.no_valid_rows()
             splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg)
             shutil.rmtree(tmp / "_staging", ignore_errors=True)
         seconds = time.perf_counter() - t0

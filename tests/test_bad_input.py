@@ -314,3 +314,55 @@ def test_verify_accepts_a_good_dataset(tmp_path):
     r = recsys("verify", data, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ok:" in r.stdout and "4 shards" in r.stdout
+
+
+# --- 8. small lies in messages -------------------------------------------------------------------------------------
+
+
+def test_nan_loss_without_a_checkpoint_says_none_was_written(tmp_path):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, optimizer__lr=1e12, trainer__log_every=1)
+    with pytest.raises(UserError, match=r"loss is nan at step \d+ .*; no checkpoint was written"):
+        Trainer(cfg).fit()
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, optimizer__lr=1e12, trainer__log_every=1,
+                 trainer__checkpoint_every=1, trainer__checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(UserError, match=r"the last good checkpoint \(step \d+\) is in .*ck: resume with"):
+        Trainer(cfg).fit()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error):
+    raw = tmp_path / "test.txt"
+    raw.write_text(criteo_lines(50, columns=39))
+    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}", "progress=false",
+               cwd=tmp_path)
+    line = assert_user_error(r, f"{raw} line 1", "found 39", "looks unlabelled", "needs the label")
+    assert "on_error=skip drops" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.txt"]
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
+    ("+trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
+    ("+placement=nowhere", "Could not find 'placement/nowhere' (options: auto, cache"),
+    ("trainer.batch_size=many", "bad value for 'trainer.batch_size'"),
+    ("trainer.max_steps=[1", "cannot parse the override"),
+    ("hydra.nokey=1", None),  # Hydra's own keys: Hydra's report, but exit 2 too
+])
+def test_config_errors_exit_2_on_one_line(tmp_path, override, needle):
+    r = recsys("train", override, "hydra.run.dir=run", cwd=tmp_path)
+    if needle is None:
+        assert r.returncode == 2 and "nokey" in r.stderr, r.stderr
+    else:
+        assert_user_error(r, "bad configuration", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_lists_only_train_groups(tmp_path):
+    r = recsys("train", "--help", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "placement:" in groups and "preprocess" not in groups

@@ -23,11 +23,14 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 # writes it before the app runs, so a second run in a busy directory would
 # overwrite the first one's; the app saves it itself once it holds the lock.
 _output_subdir: str | None = ".hydra"
+_started = False  # the app ran: Hydra accepted the command line
 
 
 def train_main(cfg: DictConfig) -> float | None:
     from recsys_cli.cli import fail
 
+    global _started
+    _started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         with contextlib.ExitStack() as locks:
@@ -66,8 +69,56 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     return None if val is None else val["auc"]
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Compose the config once before Hydra does, so that a bad override is
+    a one-line UserError (exit 2) instead of Hydra's report (exit 1). Sweep
+    and hydra.* overrides are left to Hydra; with flags other than -m
+    (--help, --cfg ...) nothing is checked here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.compose_errors import one_line
+    from recsys_cli.config import TrainConfig
+
+    plain = [o for o in overrides if o not in ("-m", "--multirun")]
+    if any(o.startswith("-") for o in plain):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(plain)
+        keep = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=keep)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        message = one_line(e)
+        if "'placement.overrides." in message:  # a free-form dict: new keys need a +
+            message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+        raise UserError(f"bad configuration: {message}") from None
+    extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
+    if extra:
+        raise UserError(f"bad configuration: unknown key '{extra[0]}'")
+
+
+def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
+    """Keys of `node` that the structured schema does not have (its free-form
+    dict fields, like placement.overrides, take any key)."""
+    from omegaconf import DictConfig
+
+    if not isinstance(node, DictConfig) or not isinstance(schema, DictConfig) or OmegaConf.get_type(schema) is dict:
+        return []
+    out = []
+    for key in node.keys():
+        if key not in schema:
+            out.append(f"{prefix}{key}")
+        else:
+            out += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return out
+
+
 def run_train_app(overrides: list[str]) -> None:
     register_configs()
+    check_overrides(overrides)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
     global _output_subdir
     overrides = distributed.follower_overrides(overrides)
@@ -76,4 +127,9 @@ def run_train_app(overrides: list[str]) -> None:
             value = o.split("=", 1)[1]
             _output_subdir = None if value in ("null", "~", "") else value
     sys.argv = ["recsys train", *overrides, "hydra.output_subdir=null"]
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 1 and not _started:  # Hydra rejected the command line (a hydra.* key, a sweep value)
+            sys.exit(2)
+        raise

@@ -7,6 +7,7 @@ run reports, evaluate() scores a split, save()/resume() checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import time
@@ -319,7 +320,13 @@ class Trainer:
 
     def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
-            where = f"; the last good checkpoint is in {self.checkpoint_dir}" if self.checkpoint_dir else ""
+            latest = self.checkpoint_dir / ckpt.LATEST if self.checkpoint_dir else None
+            if latest is not None and latest.is_file():
+                step = json.loads(latest.read_text())["step"]
+                where = (f"; the last good checkpoint (step {step}) is in {self.checkpoint_dir}: "
+                         "resume with trainer.resume=true")
+            else:
+                where = "; no checkpoint was written (trainer.checkpoint_every=N saves one every N steps)"
             raise UserError(f"loss is {loss} at step {self.step} (try a smaller optimizer.lr){where}")
 
     # --- evaluation ------------------------------------------------------------

@@ -366,3 +366,36 @@ def test_train_help_lists_only_train_groups(tmp_path):
     assert r.returncode == 0, r.stderr
     groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "placement:" in groups and "preprocess" not in groups
+
+
+# --- 9. dedup on a dataset without sessions ------------------------------------------------------------------------
+
+
+def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+    from rich.console import Console
+
+    data = tiny_dataset(tmp_path, multihot=1, vocab=20)  # ids repeat within a batch
+    common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10)
+    runs = {}
+    for enabled in (False, True):
+        t = Trainer(config(tmp_path, **common, dedup__enabled=enabled))
+        t.record_losses = True
+        runs[enabled] = (t, t.fit())
+    (off, _), (on, summary) = runs[False], runs[True]
+    torch.testing.assert_close(torch.tensor(on.step_losses), torch.tensor(off.step_losses), rtol=1e-6, atol=0)
+    assert summary["dedup"] and summary["session_shuffle"] is False
+    assert summary["duplication"]["lookups_saved_by_dedup"] > 0
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    assert "shuffled samples (no session column)" in console.export_text()
+    with pytest.raises(UserError, match="dedup.keep_sessions=true but .* names no session column .*dataset=synthetic_sessions"):
+        Trainer(config(tmp_path, **common, dedup__enabled=True, dedup__keep_sessions=True))
+
+
+def test_cli_dedup_on_the_default_dataset(tmp_path):
+    r = recsys("train", "+dedup=on", *SMALL, "trainer.max_steps=20", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "no session column" in r.stdout

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from data_tools.manifest import ManifestError, load_manifest
+from data_tools.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
@@ -117,10 +117,10 @@ class Trainer:
 
         loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
+        self.keep_sessions = self.session_shuffle(cfg.dedup, self.manifest.session_column)
         self.train_loader = ShardLoader(
             self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
-            keep_sessions=cfg.dedup.enabled if cfg.dedup.keep_sessions is None else cfg.dedup.keep_sessions,
-            **loader_args,
+            keep_sessions=self.keep_sessions, **loader_args,
         )
         self.eval_loaders = {
             split: ShardLoader(self.dataset_dir, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
@@ -159,6 +159,19 @@ class Trainer:
             self.resume(tc.resume)
         if self.dist.enabled:
             self.sync = EmbeddingSync(cfg, self.dist, self.model, self.timer, step=self.step)
+
+    def session_shuffle(self, dedup, session_column: str | None) -> bool:
+        """Whether the loader shuffles whole sessions. By default exactly when
+        dedup is on and the dataset has a session column: in-batch dedup of
+        ids needs no sessions, they only make batches hold more duplicates."""
+        if dedup.keep_sessions is None:
+            return bool(dedup.enabled and session_column)
+        if dedup.keep_sessions and not session_column:
+            raise UserError(
+                f"dedup.keep_sessions=true but {self.dataset_dir}/{MANIFEST_NAME} names no session column "
+                "(use dataset=synthetic_sessions, or leave dedup.keep_sessions unset)"
+            )
+        return bool(dedup.keep_sessions)
 
     def plan_placement(self, features, vocab_sizes, row_optimizer):
         """placement=auto: plan from the skew of the first training batches."""
@@ -445,6 +458,7 @@ class Trainer:
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
+            "session_shuffle": self.keep_sessions,  # batches hold whole sessions
             "cache": self.embeddings.stats(),
             "placement_plan": None if self.plan is None else {
                 "budget_bytes": self.plan.budget_bytes, "expected_bytes": self.plan.expected_bytes,

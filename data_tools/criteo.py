@@ -849,6 +849,8 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
     try:
         for ch in _Prefetch(reader.chunks(want_dense=cfg.spill)):
             d = ch.decoded
+            if cfg.spill and spill is None and d.rows:
+                _check_spill_space(tmp, d.rows / max(ch.block.bytes_read, 1) * progress.total)
             if cfg.spill:
                 # 0 = missing, i + 1 = the value first seen i-th
                 cols = [_scatter(d.present[f], maps[f].count(d.values[f]) + 1) for f in range(NUM_SPARSE)]
@@ -924,6 +926,21 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
     if written != total:
         raise UserError(f"input changed while it was being preprocessed ({total} rows, then {written})")
     return features, splits, skipped, distinct
+
+
+SPILL_BYTES_PER_ROW = 4 + 4 * NUM_DENSE + 4 * NUM_SPARSE  # label, dense, one int32 index per sparse value
+
+
+def _check_spill_space(tmp: Path, rows: float) -> None:
+    """Before the first spill write: the spill of every row (estimated from
+    the first block's rows per input byte) must fit the free space."""
+    need = int(rows * SPILL_BYTES_PER_ROW)
+    free = shutil.disk_usage(tmp).free
+    if need > free:
+        raise UserError(
+            f"pass 1 spills about {need / 1e9:.1f} GB ({rows:,.0f} rows x {SPILL_BYTES_PER_ROW} bytes) to {tmp}, "
+            f"but only {free / 1e9:.1f} GB are free there; free space or give spill=false (parses the input twice)"
+        )
 
 
 def _spill_batch(d: _Decoded, cols: list[np.ndarray], label_type) -> pa.RecordBatch:

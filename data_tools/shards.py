@@ -391,9 +391,19 @@ def atomic_dataset_dir(output: str | os.PathLike, if_exists: str = "replace") ->
         if not (tmp / MANIFEST_NAME).is_file():
             raise RuntimeError(f"internal error: {tmp} has no manifest at commit time")
         _commit(tmp, output, if_exists)
+    except OSError as e:  # a full disk, mostly: one line, and nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = "no space left on device" if _is_enospc(e) else str(e).splitlines()[0]
+        raise UserError(f"cannot write the dataset {output} (built in {tmp}): {reason}; "
+                        f"{output} is as it was") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _is_enospc(e: OSError) -> bool:
+    # pyarrow's IO errors carry the errno only in their text
+    return e.errno == errno.ENOSPC or "No space left on device" in str(e) or "errno 28" in str(e)
 
 
 WRITTEN_LIST = ".recsys-files.json"  # the files a writer put in a dataset directory: all it may replace

@@ -6,12 +6,13 @@ and the remaining arguments are Hydra overrides.
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
 
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"unknown command {command!r}")
     except UserError as e:
         fail(str(e))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        fail(str(write_error(e.filename or "a file", e)))  # a write no closer handler names
     except KeyboardInterrupt:
         fail("interrupted", code=130)
 

@@ -399,3 +399,99 @@ def test_cli_dedup_on_the_default_dataset(tmp_path):
     r = recsys("train", "+dedup=on", *SMALL, "trainer.max_steps=20", "hydra.run.dir=run", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "no session column" in r.stdout
+
+
+# --- 7. disk full --------------------------------------------------------------------------------------------------
+
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_preprocess_checks_free_space_before_the_spill(tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    from data_tools import criteo
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(criteo.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    with pytest.raises(UserError, match=r"pass 1 spills about 0.0 GB \(300 rows x 160 bytes\) to .*ds.tmp-\d+, but "
+                                        r"only 0.0 GB are free there; free space or give spill=false"):
+        criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(tmp_path / "ds"), progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.tsv"]
+    criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(tmp_path / "ds"), progress=False, spill=False))
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_disk_full_in_preprocess_leaves_the_old_dataset(tmp_path, monkeypatch, spill):
+    from data_tools import criteo
+    from data_tools import shards as sh
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(out), progress=False))
+    before = files_of(out)
+    monkeypatch.setattr(sh.ShardWriter, "_write_group", enospc)
+    with pytest.raises(UserError, match=rf"cannot write the dataset {out} \(built in .*\): no space left on device; "
+                                        rf"{out} is as it was"):
+        criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(out), progress=False, spill=spill))
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "raw.tsv"]
+
+
+def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train import checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    ck = tmp_path / "ck"
+    real = torch.save
+    calls = []
+
+    def save_then_fill_the_disk(state, f):
+        calls.append(f)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"half a checkpoint")
+            enospc()
+        real(state, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_then_fill_the_disk)
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+                 trainer__checkpoint_every=4, trainer__checkpoint_dir=str(ck))
+    with pytest.raises(UserError, match=rf"cannot write {ck}/step-00000008.pt: no space left on device; the last good "
+                                        rf"checkpoint, {ck}/step-00000004.pt, is kept"):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]
+    assert json.loads((ck / "latest.json").read_text())["step"] == 4
+    torch.load(ck / "step-00000004.pt", weights_only=False)  # whole
+
+
+def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train import metrics
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    real = os.write
+    calls = []
+
+    def half_then_full(fd, data):
+        calls.append(fd)
+        if len(calls) == 3:
+            real(fd, data[: len(data) // 2])
+            enospc()
+        return real(fd, data)
+
+    monkeypatch.setattr(metrics.os, "write", half_then_full)
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10, trainer__log_every=2)
+    with pytest.raises(UserError, match=rf"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: no space left on device"):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    monkeypatch.undo()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4]

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from recsys_cli.config import register_configs
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, write_error
 from recsys_cli.train import distributed, rundir
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
@@ -48,10 +48,13 @@ def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
     """The three files Hydra writes into .hydra/ (config, hydra, overrides)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
     hydra_cfg["output_subdir"] = _output_subdir
-    directory.mkdir(parents=True, exist_ok=True)
     for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
                        ("overrides.yaml", HydraConfig.get().overrides.task)):
-        (directory / name).write_text(OmegaConf.to_yaml(node))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_text(OmegaConf.to_yaml(node))
+        except OSError as e:
+            raise write_error(directory / name, e) from None
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> float | None:

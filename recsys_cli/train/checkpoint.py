@@ -13,22 +13,32 @@ from pathlib import Path
 
 import torch
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, write_error
 
 LATEST = "latest.json"
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{step:08d}.pt"
     tmp = directory / f".{path.name}.tmp"
-    torch.save(state, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     latest_tmp = directory / f".{LATEST}.tmp"
-    latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
-    os.replace(latest_tmp, directory / LATEST)
+    writing = path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        writing = directory / LATEST
+        latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
+        os.replace(latest_tmp, directory / LATEST)
+    except OSError as e:  # a full disk: the previous checkpoint and latest.json stay as they were
+        tmp.unlink(missing_ok=True)
+        latest_tmp.unlink(missing_ok=True)
+        kept = directory / LATEST
+        then = (f"the last good checkpoint, {directory / json.loads(kept.read_text())['file']}, is kept"
+                if kept.is_file() else "no earlier checkpoint exists")
+        raise write_error(writing, e, then) from None
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
     return path

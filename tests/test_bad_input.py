@@ -495,3 +495,72 @@ def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
     monkeypatch.undo()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 4]
+
+
+# --- 10. distributed checkpoints ---------------------------------------------------------------------------------
+
+
+def slow_checkpoint_run(container: dict, sleep_s: float) -> dict | None:
+    """A worker whose rank 0 takes `sleep_s` longer to write each checkpoint
+    (as a save of large host tables does)."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import TrainConfig
+    from recsys_cli.train import checkpoint, distributed
+    from recsys_cli.train.trainer import Trainer
+
+    real = checkpoint.save_checkpoint
+
+    def slow(*args, **kwargs):
+        time.sleep(sleep_s)
+        return real(*args, **kwargs)
+
+    checkpoint.save_checkpoint = slow
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), container)
+    ctx = distributed.init(timeout_s=cfg.trainer.dist_timeout, device="cpu")
+    trainer = Trainer(cfg)
+    trainer.fit()
+    distributed.teardown()
+    return {"step": trainer.step} if ctx.is_main else None
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_checkpoint_longer_than_the_step_timeout(tmp_path):
+    from omegaconf import OmegaConf
+
+    from recsys_cli.train import distributed
+
+    data = tiny_dataset(tmp_path)
+    timeout = 6  # seconds; slack for the ranks' start-up skew on a busy machine
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+                 trainer__dist_timeout=timeout, trainer__checkpoint_dir=str(tmp_path / "ck"),
+                 placement__kind="lookahead", placement__cache_rows=800)
+    try:  # the final checkpoint, then the final evaluation's collectives
+        out = distributed.launch(slow_checkpoint_run, 2, OmegaConf.to_container(cfg, resolve=True), 2.5 * timeout)
+    except distributed.WorkerFailed as e:
+        pytest.fail(f"{e}\n{e.traceback}")
+    assert out[0] == {"step": 8}
+    assert json.loads((tmp_path / "ck" / "latest.json").read_text())["step"] == 8
+
+
+def test_host_tables_are_checkpointed_without_a_copy(tmp_path):
+    from recsys_cli.train.checkpoint import load_checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path, vocab=20000)
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=4,
+                 placement__kind="uvm", trainer__checkpoint_dir=str(tmp_path / "ck"))
+    trainer = Trainer(cfg)
+    trainer.fit()
+    (group,) = trainer.embeddings.groups
+    store = group.store.rows.tensors()["weights"]
+    for tensors in trainer.embeddings.table_state().values():  # views of the host store, no copy
+        assert tensors["weights"].untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+    table_bytes = store.numel() * store.element_size()
+    path = tmp_path / "ck" / "step-00000004.pt"
+    assert table_bytes < path.stat().st_size < 1.1 * table_bytes + 200_000  # the fused storage once
+    saved = load_checkpoint(path)["tables"]
+    for name, tensors in trainer.embeddings.table_state().items():
+        assert torch.equal(saved[name]["weights"], tensors["weights"])

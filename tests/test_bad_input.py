@@ -55,7 +55,11 @@ def tiny_dataset(tmp_path, name="data", **kw) -> Path:
     return write_dataset(tmp_path, {"train": 600, "val": 200, "test": 200}, name=name, **kw)
 
 
-TINY_TRAIN = ["trainer.batch_size=50", "trainer.max_steps=6", "trainer.progress=false", "trainer.log_every=2"]
+# The test datasets' first dense feature is the row index (up to 600): a smaller step than the default
+# keeps the loss finite with the DLRM initialisation.
+LR = 0.01
+TINY_TRAIN = ["trainer.batch_size=50", "trainer.max_steps=6", "trainer.progress=false", "trainer.log_every=2",
+              f"optimizer.lr={LR}"]
 
 
 # --- 1. ids outside a table ------------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
     data = tiny_dataset(tmp_path)
     common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__epochs=3, trainer__log_every=4,
                   trainer__eval_every=6, trainer__checkpoint_every=10)
-    Trainer(config(tmp_path, **common), run_dir=tmp_path / "full").fit()
+    Trainer(config(tmp_path, optimizer__lr=LR, **common), run_dir=tmp_path / "full").fit()
 
     step = Trainer.train_step
 
@@ -225,10 +229,10 @@ def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "train_step", dies_after_step_25)
     with pytest.raises(Killed):
-        Trainer(config(tmp_path, **common), run_dir=tmp_path / "run").fit()
+        Trainer(config(tmp_path, optimizer__lr=LR, **common), run_dir=tmp_path / "run").fit()
     assert max(r["step"] for r in records(tmp_path / "run")) > 20
     monkeypatch.setattr(Trainer, "train_step", step)
-    Trainer(config(tmp_path, **common, trainer__resume="true"), run_dir=tmp_path / "run").fit()
+    Trainer(config(tmp_path, optimizer__lr=LR, **common, trainer__resume="true"), run_dir=tmp_path / "run").fit()
     assert records(tmp_path / "run") == records(tmp_path / "full")
     assert not list((tmp_path / "run").glob("*.tmp"))
 
@@ -375,7 +379,7 @@ def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
     common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10)
     runs = {}
     for enabled in (False, True):
-        t = Trainer(config(tmp_path, **common, dedup__enabled=enabled))
+        t = Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=enabled))
         t.record_losses = True
         runs[enabled] = (t, t.fit())
     (off, _), (on, summary) = runs[False], runs[True]
@@ -386,7 +390,7 @@ def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
     console.print(summary_table(summary))
     assert "shuffled samples (no session column)" in console.export_text()
     with pytest.raises(UserError, match="dedup.keep_sessions=true but .* names no session column .*dataset=synthetic_sessions"):
-        Trainer(config(tmp_path, **common, dedup__enabled=True, dedup__keep_sessions=True))
+        Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=True, dedup__keep_sessions=True))
 
 
 def test_cli_dedup_on_data_without_sessions(tmp_path):
@@ -457,7 +461,7 @@ def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch
         real(state, f)
 
     monkeypatch.setattr(checkpoint.torch, "save", save_then_fill_the_disk)
-    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
                  trainer__checkpoint_every=4, trainer__checkpoint_dir=str(ck))
     with pytest.raises(UserError, match=rf"cannot write {ck}/step-00000008.pt: no space left on device; the last good "
                                         rf"checkpoint, {ck}/step-00000004.pt, is kept"):
@@ -484,7 +488,8 @@ def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
         return real(fd, data)
 
     monkeypatch.setattr(metrics.os, "write", half_then_full)
-    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10, trainer__log_every=2)
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10,
+                 trainer__log_every=2)
     with pytest.raises(UserError, match=rf"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: no space left on device"):
         Trainer(cfg, run_dir=tmp_path / "run").fit()
     monkeypatch.undo()
@@ -529,7 +534,7 @@ def test_ranks_wait_for_a_checkpoint_longer_than_the_step_timeout(tmp_path):
 
     data = tiny_dataset(tmp_path)
     timeout = 6  # seconds; slack for the ranks' start-up skew on a busy machine
-    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
                  trainer__dist_timeout=timeout, trainer__checkpoint_dir=str(tmp_path / "ck"),
                  placement__kind="lookahead", placement__cache_rows=800)
     try:  # the final checkpoint, then the final evaluation's collectives
@@ -545,7 +550,7 @@ def test_host_tables_are_checkpointed_without_a_copy(tmp_path):
     from recsys_cli.train.trainer import Trainer
 
     data = tiny_dataset(tmp_path, vocab=20000)
-    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=4,
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=4,
                  placement__kind="uvm", trainer__checkpoint_dir=str(tmp_path / "ck"))
     trainer = Trainer(cfg)
     trainer.fit()

@@ -433,6 +433,18 @@ _UNLABELLED_LINE_RE = re.compile(
 )
 
 
+UNLABELLED = ("the input looks unlabelled (13 integer and 26 hex fields, no label, like Criteo's test.txt); "
+              "preprocess builds training data and needs the label as the first field "
+              "(to map unlabelled rows with a trained vocabulary: labels=false vocab=DIR)")
+
+
+def _looks_unlabelled(fields: list[str]) -> bool:
+    """39 fields that are I1..I13 and C1..C26: a label-less line, not a damaged one."""
+    return (len(fields) == NUM_COLUMNS - 1
+            and all(v == "" or re.fullmatch(r" *-?[0-9]+ *", v) for v in fields[:NUM_DENSE])
+            and all(v == "" or re.fullmatch(r"[0-9a-fA-F]{8}", v) for v in fields[NUM_DENSE:]))
+
+
 def _diagnose(line: bytes, label_int8: bool, labels: bool = True) -> str:
     """Why a line is bad: 'column X: ...' (or a generic reason)."""
     text = line.decode("utf-8", errors="replace")
@@ -443,8 +455,9 @@ def _diagnose(line: bytes, label_int8: bool, labels: bool = True) -> str:
             return f"expected {NUM_COLUMNS - 1} tab-separated fields (labels=false), found {len(fields)}{hint}"
         fields = ["0", *fields]
     elif len(fields) != NUM_COLUMNS:
-        hint = " (unlabelled input? give labels=false)" if len(fields) == NUM_COLUMNS - 1 else ""
-        return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}{hint}"
+        if _looks_unlabelled(fields):
+            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {UNLABELLED}"
+        return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
     lab = fields[0]
     try:
         x = float(lab) if re.fullmatch(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", lab) else None
@@ -645,6 +658,15 @@ class _Reader:
         self.cfg = cfg
         self.paths = paths
         self.parser = _Parser(cfg)
+        self.first_skipped: tuple[Path, int, bytes] | None = None  # on_error=skip: the first line dropped
+
+    def no_valid_rows(self) -> UserError:
+        message = f"no valid rows in {', '.join(map(str, self.paths))}"
+        if self.first_skipped is not None:
+            path, line, text = self.first_skipped
+            message += f": every line was skipped as bad (the first, {path} line {line}: "
+            message += f"{_diagnose(text, self.parser.label_int8)})"
+        return UserError(message)
 
     def chunks(self, want_dense: bool, known_bad: dict | None = None) -> Iterator[_Chunk]:
         # reading (and gunzipping) runs on its own thread, ahead of parsing
@@ -726,7 +748,11 @@ class _Reader:
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
                 raise UserError(f"{where} {reason}{self.skip_hint}")
+            if reason.endswith(UNLABELLED):  # skipping would skip every line
+                raise UserError(f"{where}: {reason}")
             raise UserError(f"{where}: {reason}{self.skip_hint}")
+        if self.first_skipped is None:
+            self.first_skipped = (self.paths[block.file_index], block.first_line + i, line)
 
 
 def _label_ok(line: bytes, int8: bool) -> bool:
@@ -888,6 +914,8 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
     try:
         for ch in _Prefetch(reader.chunks(want_dense=cfg.spill)):
             d = ch.decoded
+            if cfg.spill and spill is None and d.rows:
+                _check_spill_space(tmp, d.rows / max(ch.block.bytes_read, 1) * progress.total)
             if cfg.spill:
                 # 0 = missing, i + 1 = the value first seen i-th
                 cols = [_scatter(d.present[f], maps[f].count(d.values[f]) + 1) for f in range(NUM_SPARSE)]
@@ -908,7 +936,7 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
         if spill is not None:
             spill.close()
     if total == 0:
-        raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
+        raise reader.no_valid_rows()
     # ---- the vocabulary: frequent values by descending count, ties by value
     lookups, vocab, distinct = [], [], {}
     mapping_values, mapping_ids = [], []
@@ -972,6 +1000,21 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
     return features, splits, skipped, distinct, vocab_entry
 
 
+SPILL_BYTES_PER_ROW = 4 + 4 * NUM_DENSE + 4 * NUM_SPARSE  # label, dense, one int32 index per sparse value
+
+
+def _check_spill_space(tmp: Path, rows: float) -> None:
+    """Before the first spill write: the spill of every row (estimated from
+    the first block's rows per input byte) must fit the free space."""
+    need = int(rows * SPILL_BYTES_PER_ROW)
+    free = shutil.disk_usage(tmp).free
+    if need > free:
+        raise UserError(
+            f"pass 1 spills about {need / 1e9:.1f} GB ({rows:,.0f} rows x {SPILL_BYTES_PER_ROW} bytes) to {tmp}, "
+            f"but only {free / 1e9:.1f} GB are free there; free space or give spill=false (parses the input twice)"
+        )
+
+
 def _spill_batch(d: _Decoded, cols: list[np.ndarray], label_type) -> pa.RecordBatch:
     arrays = [pa.array(d.label.astype(label_type, copy=False)), sh.dense_array(d.dense)]
     arrays += [pa.array(c) for c in cols]
@@ -988,6 +1031,9 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     console = console or Console(stderr=True, highlight=False)
     paths = resolve_inputs(cfg.input)
     output = Path(cfg.output).expanduser()
+    for p in paths:  # it would be read while its directory is replaced
+        if output.resolve() in p.resolve().parents:
+            raise UserError(f"input {p} is inside the output directory {output}; write the dataset elsewhere")
     sh.check_output(output.absolute())
     source_vocab = _source_vocabulary(cfg)
     total_bytes = sum(p.stat().st_size for p in paths)
@@ -1085,7 +1131,7 @@ def _mapped_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, progres
         staging.abort()
         raise
     if total == 0:
-        raise UserError(f"no valid rows in {', '.join(map(str, paths))}")
+        raise reader.no_valid_rows()
     names = (ALL_SPLIT,) if cfg.split == "none" else SPLITS
     splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg, names)
     shutil.rmtree(tmp / "_staging", ignore_errors=True)

@@ -20,6 +20,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from recsys_cli.errors import UserError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DENSE_COLUMN = "dense"
@@ -31,8 +33,9 @@ CRITEO_SPARSE = [f"C{i}" for i in range(1, 27)]
 SPLITS = ("train", "val", "test")
 
 
-class ManifestError(ValueError):
-    """A dataset directory that is missing, incomplete or of another format."""
+class ManifestError(UserError, ValueError):
+    """A dataset directory that is missing, incomplete, damaged or of another
+    format (a user error: the CLI prints it on one line and exits 2)."""
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Shard:
     file: str  # relative to the dataset directory
     rows: int
     sha256: str
+    bytes: int | None = None  # file size; checked when a loader opens the dataset (absent: not checked)
 
 
 @dataclass

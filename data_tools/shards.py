@@ -4,7 +4,9 @@ A dataset directory is built under `<output>.tmp-<pid>` next to the output and
 renamed into place only after every shard and the manifest are written
 (`atomic_dataset_dir`). A killed run therefore leaves at most a `.tmp-<pid>`
 directory (removed by the next run writing the same output), never something
-with a manifest at the output path.
+with a manifest at the output path. Replacing an existing dataset replaces
+only what its writer wrote (the files listed in its `.recsys-files.json`, or
+its manifest and shards): anything else a user keeps in the directory stays.
 
 `SplitWriter` routes rows (in order) to the train/val/test splits by global row
 index and writes `<split>/part-NNNNN.parquet` files with exactly
@@ -206,7 +208,8 @@ class ShardWriter:
         self._writer.close()
         assert self._file is not None
         rel = self._file.relative_to(self.root).as_posix()
-        self.shards.append(Shard(file=rel, rows=self._file_rows, sha256=sha256_file(self._file)))
+        self.shards.append(Shard(file=rel, rows=self._file_rows, sha256=sha256_file(self._file),
+                                 bytes=self._file.stat().st_size))
         self._writer = None
         self._file = None
 
@@ -217,7 +220,8 @@ class ShardWriter:
         self._close_file()
         dst = self.root / self.split / f"part-{len(self.shards):05d}.parquet"
         os.replace(src, dst)
-        self.shards.append(Shard(file=dst.relative_to(self.root).as_posix(), rows=shard.rows, sha256=shard.sha256))
+        self.shards.append(Shard(file=dst.relative_to(self.root).as_posix(), rows=shard.rows, sha256=shard.sha256,
+                                 bytes=dst.stat().st_size))
         self.rows += shard.rows
 
     def close(self) -> Split:
@@ -386,12 +390,58 @@ def atomic_dataset_dir(output: str | os.PathLike, if_exists: str = "replace") ->
         if not (tmp / MANIFEST_NAME).is_file():
             raise RuntimeError(f"internal error: {tmp} has no manifest at commit time")
         _commit(tmp, output, if_exists)
+    except OSError as e:  # a full disk, mostly: one line, and nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = "no space left on device" if _is_enospc(e) else str(e).splitlines()[0]
+        raise UserError(f"cannot write the dataset {output} (built in {tmp}): {reason}; "
+                        f"{output} is as it was") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def _is_enospc(e: OSError) -> bool:
+    # pyarrow's IO errors carry the errno only in their text
+    return e.errno == errno.ENOSPC or "No space left on device" in str(e) or "errno 28" in str(e)
+
+
+WRITTEN_LIST = ".recsys-files.json"  # the files a writer put in a dataset directory: all it may replace
+
+
+def _files_under(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def written_files(directory: Path) -> set[str]:
+    """What a writer put in `directory` and may replace: the list it left
+    there, or (datasets written by other tools) the manifest and its shards."""
+    import json
+
+    from data_tools.manifest import load_manifest
+
+    listed = directory / WRITTEN_LIST
+    if listed.is_file():
+        try:
+            return {*json.loads(listed.read_text()), WRITTEN_LIST}
+        except (ValueError, TypeError):
+            pass
+    try:
+        m = load_manifest(directory)
+    except ValueError:
+        return {MANIFEST_NAME}
+    return {MANIFEST_NAME, *(shard.file for split in m.splits.values() for shard in split.shards)}
+
+
+def _move(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dst)
+
+
 def _commit(tmp: Path, output: Path, if_exists: str) -> None:
+    import json
+
+    new = [f for f in _files_under(tmp) if f != MANIFEST_NAME]
+    (tmp / WRITTEN_LIST).write_text(json.dumps([*new, MANIFEST_NAME, WRITTEN_LIST]))
     try:
         os.rename(tmp, output)  # atomic when output is absent or an empty directory
         return
@@ -402,13 +452,28 @@ def _commit(tmp: Path, output: Path, if_exists: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         return
     check_output(output)  # still a dataset: we may replace it
+    # Replace only what the previous writer wrote (its list, or its manifest
+    # and shards): a user's own files in the directory stay where they are.
+    owned = written_files(output)
+    for f in new:
+        if (output / f).exists() and f not in owned:
+            raise UserError(
+                f"output {output} holds {f}, which recsys did not write; refusing to overwrite it "
+                "(move it away or choose another output)"
+            )
     old = output.with_name(f"{output.name}.old-{os.getpid()}")
     if old.exists():
         shutil.rmtree(old)
-    os.rename(output, old)
-    try:
-        os.rename(tmp, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
+    old.mkdir()
+    # The old manifest goes first (the directory stops being a dataset), the
+    # new one comes last (it is a dataset again only when complete).
+    for f in [MANIFEST_NAME, *sorted(owned - {MANIFEST_NAME})]:
+        if (output / f).is_file():
+            _move(output / f, old / f)
+    for f in [*new, WRITTEN_LIST, MANIFEST_NAME]:
+        _move(tmp / f, output / f)
+    for d in sorted({(output / f).parent for f in owned}, key=lambda p: -len(p.parts)):
+        if d != output and d.is_dir() and not any(d.iterdir()):
+            d.rmdir()  # a split directory the old dataset had and the new one does not
     shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)

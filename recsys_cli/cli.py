@@ -7,12 +7,13 @@ and the remaining arguments are Hydra overrides.
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
 
@@ -24,13 +25,15 @@ commands:
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
   evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
   export                a torch.export inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4)
+  verify                check a dataset's shards against its manifest (recsys verify DIR)
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """
 
 
 def fail(message: str, code: int = 2) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    # soft_wrap: one line whatever the terminal width (scripts grep it)
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -67,11 +70,19 @@ def main(argv: list[str] | None = None) -> None:
             from recsys_cli.export import run_export
 
             run_export(rest)
+        elif command == "verify":
+            from recsys_cli.verify import run_verify
+
+            run_verify(rest)
         else:
             print(USAGE)
             fail(f"unknown command {command!r}")
     except UserError as e:
         fail(str(e))
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        fail(str(write_error(e.filename or "a file", e)))  # a write no closer handler names
     except KeyboardInterrupt:
         fail("interrupted", code=130)
 

@@ -2,7 +2,7 @@
 
 Sources: `criteo` (raw Criteo TSV -> shards, data_tools.criteo) and
 `synthetic` (data_tools.synthetic). Options are composed with Hydra from
-configs/preprocess/<source>.yaml checked against the structured configs
+preprocess_configs/<source>.yaml checked against the structured configs
 registered below, so a misspelt key or a value of the wrong type fails
 before any work, naming the key.
 """
@@ -18,7 +18,8 @@ from data_tools.criteo import CriteoConfig
 from data_tools.synthetic import SyntheticConfig
 from recsys_cli.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "preprocess"
+# Not under configs/: everything there is a config group of `recsys train`.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "preprocess_configs"
 SOURCES = ("criteo", "synthetic")
 
 
@@ -51,24 +52,11 @@ def _known(source: str) -> str:
 
 def _error_message(source: str, e: BaseException) -> str:
     """A one-line reason from a Hydra/OmegaConf composition error."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+    from recsys_cli.compose_errors import one_line
 
-    cause = e
-    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or "not in struct" in str(e):
-        key = getattr(cause, "full_key", None) or getattr(cause, "key", None)
-        if not key:
-            import re
-
-            m = re.search(r"[Kk]ey '([^']+)'", str(e)) or re.search(r"override '([^']+)'", str(e))
-            key = m.group(1) if m else "?"
-        return f"unknown option '{key}' for `recsys preprocess {source}` (options: {_known(source)})"
-    if isinstance(cause, OmegaConfBaseException):
-        key = getattr(cause, "full_key", None)
-        msg = str(cause).splitlines()[0]
-        return f"bad value for '{key}': {msg}" if key else msg
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return one_line(
+        e, lambda key: f"unknown option '{key}' for `recsys preprocess {source}` (options: {_known(source)})"
+    )
 
 
 def compose(source: str, overrides: list[str]):

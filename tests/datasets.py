@@ -110,7 +110,8 @@ def write_dataset(
                 writer.write_table(t, row_group_size=b - a)
             writer.close()
             count = sum(b - a for a, b in shard_groups)
-            entries.append(Shard(file=file, rows=count, sha256=sha256_file(out / file)))
+            entries.append(Shard(file=file, rows=count, sha256=sha256_file(out / file),
+                                 bytes=(out / file).stat().st_size))
         manifest_splits[split] = Split(rows=n, shards=entries)
     Manifest(
         source="test",

@@ -134,7 +134,7 @@ def test_unlabelled_input(tmp_path, train_rows):
 
 @pytest.mark.parametrize("labels,drop,needle", [
     (False, False, "expected 39 tab-separated fields (labels=false), found 40 (a labelled line? drop labels=false)"),
-    (True, True, "expected 40 tab-separated fields, found 39 (unlabelled input? give labels=false)"),
+    (True, True, "expected 40 tab-separated fields, found 39: the input looks unlabelled"),
 ])
 def test_wrong_column_count(tmp_path, train_rows, labels, drop, needle):
     _, train = run(tmp_path, write_raw(tmp_path / "train.txt", train_rows), "train")

@@ -47,9 +47,11 @@ import torch
 from data_tools.manifest import (
     DENSE_COLUMN,
     LABEL_COLUMN,
+    MANIFEST_NAME,
     Manifest,
     ManifestError,
     load_manifest,
+    sha256_file,
 )
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt, repeats_previous
@@ -211,10 +213,12 @@ class ShardLoader:
         self.transform = transform
         self.dedup = dedup
         self._multi_hot = {f: m.feature(f).multi_hot for f in features}
+        self._vocab = {f: m.feature(f).vocab_size for f in features}
         self._onehot_keys = [f for f in features if not self._multi_hot[f]]
         self._multi_keys = [f for f in features if self._multi_hot[f]]
         self._session_col = m.session_column
 
+        self._verified: set[int] = set()  # shards whose checksum was checked
         self._files, self._row_groups = self._scan_shards()
         self._rg_rows = np.array([rg.rows for rg in self._row_groups], dtype=np.int64)
         self.num_rows = int(self._rg_rows.sum())
@@ -243,6 +247,11 @@ class ShardLoader:
             path = self.dataset_dir / shard.file
             if not path.is_file():
                 raise ManifestError(f"{path}: shard listed in the manifest is missing")
+            if shard.bytes is not None and path.stat().st_size != shard.bytes:
+                raise ManifestError(
+                    f"{path}: {path.stat().st_size} bytes, the manifest says {shard.bytes} (truncated or "
+                    f"replaced; check the dataset with `recsys verify {self.dataset_dir}`)"
+                )
             try:
                 meta = pq.read_metadata(path)
             except (OSError, pa.ArrowException) as e:
@@ -261,6 +270,19 @@ class ShardLoader:
                 f"{self.dataset_dir}: split {self.split!r} shards hold {total} rows, the manifest says {split.rows}"
             )
         return files, groups
+
+    def _verify(self, shard: int) -> None:
+        """The shard's sha256 against the manifest, once per loader, when the
+        shard is first read (on the loader thread)."""
+        if shard in self._verified:
+            return
+        entry = self.manifest.splits[self.split].shards[shard]
+        if entry.sha256 and sha256_file(self._files[shard]) != entry.sha256:
+            raise ManifestError(
+                f"{self._files[shard]}: sha256 differs from the manifest's (the shard is damaged; "
+                f"check the dataset with `recsys verify {self.dataset_dir}`, or preprocess it again)"
+            )
+        self._verified.add(shard)
 
     def _check_schema(self, path: Path, schema: pa.Schema) -> None:
         def need(name: str, ok: Callable[[pa.DataType], bool], what: str) -> None:
@@ -302,16 +324,40 @@ class ShardLoader:
         lo = self.rank * base + min(self.rank, rem)
         return lo, lo + base + (1 if self.rank < rem else 0)
 
+    def _check_ids(self, rg: _RowGroup, feature: str, ids: np.ndarray) -> None:
+        """Every id of a row group's column must be a row of the feature's
+        table: the tables are fused with row offsets, so an id past the end
+        would silently read and train another table's rows. One min and max
+        per column and row group, next to decoding it."""
+        if not len(ids):
+            return
+        vocab = self._vocab[feature]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = hi if hi >= vocab else lo
+            raise ManifestError(
+                f"{self._files[rg.shard]}: row group {rg.index}, feature {feature}: id {bad} is outside "
+                f"[0, {vocab}) (vocab_size {vocab} in {self.dataset_dir / MANIFEST_NAME})"
+            )
+
     def _decode(self, files: dict, epoch: int, g: int) -> _Chunk:
         rg = self._row_groups[g]
-        pf = files.get(rg.shard)
-        if pf is None:
-            pf = files[rg.shard] = pq.ParquetFile(self._files[rg.shard])
+        path = self._files[rg.shard]
         labelled = self.manifest.labelled
         columns = [LABEL_COLUMN, DENSE_COLUMN, *self.features] if labelled else [DENSE_COLUMN, *self.features]
         if self._session_col:
             columns.append(self._session_col)
-        table = pf.read_row_group(rg.index, columns=columns)
+        try:
+            pf = files.get(rg.shard)
+            if pf is None:
+                self._verify(rg.shard)
+                pf = files[rg.shard] = pq.ParquetFile(path)
+            table = pf.read_row_group(rg.index, columns=columns)
+        except (OSError, pa.ArrowException) as e:  # damaged after the manifest was written
+            raise ManifestError(
+                f"{path}: row group {rg.index} cannot be read ({str(e).splitlines()[0]}); the shard is damaged "
+                f"(check the dataset with `recsys verify {self.dataset_dir}`, or preprocess it again)"
+            ) from None
         n = table.num_rows
         if n != rg.rows:
             raise ManifestError(f"{self._files[rg.shard]}: row group {rg.index} has {n} rows, metadata says {rg.rows}")
@@ -339,12 +385,14 @@ class ShardLoader:
         onehot = np.empty((len(self._onehot_keys), n), dtype=np.int64)
         for j, f in enumerate(self._onehot_keys):
             ids = col(f).to_numpy(zero_copy_only=False)
+            self._check_ids(rg, f, ids)
             onehot[j] = ids if perm is None else ids[perm]
         multi = []
         for f in self._multi_keys:
             arr = col(f)
             offsets = arr.offsets.to_numpy()
             values = arr.values.to_numpy(zero_copy_only=False)
+            self._check_ids(rg, f, values[int(offsets[0]) : int(offsets[-1])])
             if self.dedup:
                 multi.append(_bag_runs(offsets, values, perm))
                 continue

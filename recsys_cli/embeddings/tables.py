@@ -148,13 +148,16 @@ class TableGroup:
 
     def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per table, the store's native tensors (rows in their precision and
-        the optimizer state), after a flush."""
+        the optimizer state), after a flush. Host stores give views, not
+        copies (torch.save writes their shared storage once), so a checkpoint
+        of large host tables does not double host memory; copy them to keep a
+        snapshot while training goes on."""
         self.flush()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            tensors = {k: v[lo:hi].cpu().clone() for k, v in self.store.rows.tensors().items()}
-            tensors["state"] = self.store.state[lo:hi].cpu().clone()
+            tensors = {k: v[lo:hi].cpu() for k, v in self.store.rows.tensors().items()}
+            tensors["state"] = self.store.state[lo:hi].cpu()
             out[t.name] = {"precision": self.store.precision, **tensors}
         return out
 

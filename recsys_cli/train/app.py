@@ -2,44 +2,137 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from recsys_cli.config import register_configs
-from recsys_cli.errors import UserError
-from recsys_cli.train import distributed
+from recsys_cli.errors import UserError, write_error
+from recsys_cli.train import distributed, rundir
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
+# Where Hydra would save the composed config (hydra.output_subdir): Hydra
+# writes it before the app runs, so a second run in a busy directory would
+# overwrite the first one's; the app saves it itself once it holds the lock.
+_output_subdir: str | None = ".hydra"
+_started = False  # the app ran: Hydra accepted the command line
+
+
 def train_main(cfg: DictConfig) -> float | None:
+    from recsys_cli.cli import fail
+
+    global _started
+    _started = True
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        with contextlib.ExitStack() as locks:
+            locks.enter_context(rundir.locked(run_dir))
+            if cfg.trainer.checkpoint_dir and os.environ.get("RANK", "0") == "0":
+                locks.enter_context(rundir.locked(Path(cfg.trainer.checkpoint_dir), "checkpoint directory"))
+            if _output_subdir is not None:
+                save_hydra_config(cfg, run_dir / _output_subdir)
+            return _train(cfg, run_dir)
+    except UserError as e:
+        fail(str(e))
+
+
+def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
+    """The three files Hydra writes into .hydra/ (config, hydra, overrides)."""
+    hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
+    hydra_cfg["output_subdir"] = _output_subdir
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
+                       ("overrides.yaml", HydraConfig.get().overrides.task)):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_text(OmegaConf.to_yaml(node))
+        except OSError as e:
+            raise write_error(directory / name, e) from None
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     from recsys_cli.train.progress import summary_table
     from recsys_cli.train.trainer import Trainer
 
     console = Console()
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.trainer.nproc > 1 or distributed.launched_by_agent():  # several processes (torchrun, or spawned here)
         return distributed.train_app(cfg, run_dir)
-    try:
-        trainer = Trainer(cfg, run_dir=run_dir, console=console)
-        summary = trainer.fit()
-    except UserError as e:
-        from recsys_cli.cli import fail
-
-        fail(str(e))
+    trainer = Trainer(cfg, run_dir=run_dir, console=console)
+    summary = trainer.fit()
     console.print(summary_table(summary))
     console.print(f"run directory: {run_dir}")
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Compose the config once before Hydra does, so that a bad override is
+    a one-line UserError (exit 2) instead of Hydra's report (exit 1). Sweep
+    and hydra.* overrides are left to Hydra; with flags other than -m
+    (--help, --cfg ...) nothing is checked here."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.compose_errors import one_line
+    from recsys_cli.config import TrainConfig
+
+    plain = [o for o in overrides if o not in ("-m", "--multirun")]
+    if any(o.startswith("-") for o in plain):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(plain)
+        keep = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=keep)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        message = one_line(e)
+        if "'placement.overrides." in message:  # a free-form dict: new keys need a +
+            message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+        raise UserError(f"bad configuration: {message}") from None
+    extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
+    if extra:
+        raise UserError(f"bad configuration: unknown key '{extra[0]}'")
+
+
+def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
+    """Keys of `node` that the structured schema does not have (its free-form
+    dict fields, like placement.overrides, take any key)."""
+    from omegaconf import DictConfig
+
+    if not isinstance(node, DictConfig) or not isinstance(schema, DictConfig) or OmegaConf.get_type(schema) is dict:
+        return []
+    out = []
+    for key in node.keys():
+        if key not in schema:
+            out.append(f"{prefix}{key}")
+        else:
+            out += _unknown_keys(node[key], schema[key], f"{prefix}{key}.")
+    return out
+
+
 def run_train_app(overrides: list[str]) -> None:
     register_configs()
+    check_overrides(overrides)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
-    sys.argv = ["recsys train", *distributed.follower_overrides(overrides)]
-    app()
+    global _output_subdir
+    overrides = distributed.follower_overrides(overrides)
+    for o in overrides:
+        if o.lstrip("+").startswith("hydra.output_subdir="):
+            value = o.split("=", 1)[1]
+            _output_subdir = None if value in ("null", "~", "") else value
+    sys.argv = ["recsys train", *overrides, "hydra.output_subdir=null"]
+    try:
+        app()
+    except SystemExit as e:
+        if e.code == 1 and not _started:  # Hydra rejected the command line (a hydra.* key, a sweep value)
+            sys.exit(2)
+        raise

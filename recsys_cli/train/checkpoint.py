@@ -13,22 +13,32 @@ from pathlib import Path
 
 import torch
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, write_error
 
 LATEST = "latest.json"
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{step:08d}.pt"
     tmp = directory / f".{path.name}.tmp"
-    torch.save(state, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     latest_tmp = directory / f".{LATEST}.tmp"
-    latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
-    os.replace(latest_tmp, directory / LATEST)
+    writing = path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        writing = directory / LATEST
+        latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
+        os.replace(latest_tmp, directory / LATEST)
+    except OSError as e:  # a full disk: the previous checkpoint and latest.json stay as they were
+        tmp.unlink(missing_ok=True)
+        latest_tmp.unlink(missing_ok=True)
+        kept = directory / LATEST
+        then = (f"the last good checkpoint, {directory / json.loads(kept.read_text())['file']}, is kept"
+                if kept.is_file() else "no earlier checkpoint exists")
+        raise write_error(writing, e, then) from None
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
     return path
@@ -65,3 +75,36 @@ def load_checkpoint(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
+
+
+# What a resumed run may change: where and in what precision the tables live,
+# how the trainer runs (but not the batch size: the loader position counts
+# batches) and where the dataset lies. Everything else (the model, the
+# optimizer, dedup, the dataset's content) must be the checkpoint's.
+RESUMABLE = ("placement.", "precision.", "trainer.", "dataset.path", "dataset.cache_dir")
+NOT_RESUMABLE = ("trainer.batch_size",)
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out: dict = {}
+    for k, v in node.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def check_resumable(path: Path, saved: dict, current: dict) -> None:
+    """UserError naming every key that differs and may not change on resume.
+    Keys only one side has (a newer or older config schema) are not compared."""
+    a, b = _flatten(saved), _flatten(current)
+    differ = [
+        f"{key}={a[key]!r} in the checkpoint, {b[key]!r} now"
+        for key in sorted(a.keys() & b.keys())
+        if a[key] != b[key] and (not key.startswith(RESUMABLE) or key in NOT_RESUMABLE)
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {path} was trained with another config: {'; '.join(differ)} (a resume may change only "
+            "placement.*, precision.*, trainer.* but trainer.batch_size, dataset.path and dataset.cache_dir)"
+        )

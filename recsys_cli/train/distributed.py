@@ -58,6 +58,10 @@ from recsys_cli.errors import UserError
 
 # Set by torchrun and by the elastic launcher in every worker.
 AGENT_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# How long ranks wait for rank 0 to write a checkpoint: a save of large host
+# tables may take far longer than a step's dist_timeout. A rank 0 that dies
+# meanwhile is noticed by the launcher (it stops the others), not by this timeout.
+CHECKPOINT_WAIT_S = 24 * 3600.0
 
 
 @dataclass
@@ -70,6 +74,7 @@ class DistContext:
     group: Any = None  # the main group (None: torch's default group)
     plan_group: Any = None  # gloo, for the planning thread
     timeout_s: float = 0.0
+    checkpoint_group: Any = None  # gloo, CHECKPOINT_WAIT_S timeout: waiting for rank 0's save
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +98,7 @@ def current() -> DistContext:
         _context = DistContext(
             dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)),
             int(os.environ.get("LOCAL_WORLD_SIZE", world)), dist.get_backend(), None, dist.new_group(backend="gloo"),
+            checkpoint_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECKPOINT_WAIT_S)),
         )
     return _context
 
@@ -121,8 +127,16 @@ def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timeout)
     plan_group = dist.new_group(backend="gloo", timeout=timeout)
-    _context = DistContext(rank, world, local_rank, local_world, backend, None, plan_group, timeout_s)
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECKPOINT_WAIT_S)))
+    _context = DistContext(rank, world, local_rank, local_world, backend, None, plan_group, timeout_s, checkpoint_group)
     return _context
+
+
+def checkpoint_barrier() -> None:
+    """Every rank waits here until rank 0 has written the checkpoint (the
+    checkpoint group's long timeout, not the step's)."""
+    if _context.enabled:
+        dist.barrier(group=_context.checkpoint_group)
 
 
 def teardown() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from data_tools.metrics import roc_auc
+from recsys_cli.errors import write_error
 
 _PROB_EPS = 1e-15  # probabilities are clipped to [eps, 1 - eps] so one certain mistake costs 34.5, not inf
 
@@ -123,22 +124,61 @@ class PhaseTimer:
 
 
 class MetricsLog:
-    """metrics.jsonl in the run directory: one JSON object a line, flushed."""
+    """metrics.jsonl in the run directory: one JSON object a line, written
+    whole or not at all. `lines` is everything written so far; a checkpoint
+    keeps it, so that a resumed run cuts the file back to the checkpoint
+    (`restore`) and ends with the file an uninterrupted run writes."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._file = open(path, "a") if path is not None else None
+        self.lines: list[str] = []
+        self._fd: int | None = None
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise write_error(path, e) from None
 
     def write(self, record: dict) -> None:
-        if self._file is None:
+        line = json.dumps(_plain(record)) + "\n"
+        self.lines.append(line)
+        if self._fd is None:
             return
-        self._file.write(json.dumps(_plain(record)) + "\n")
-        self._file.flush()
+        size = os.fstat(self._fd).st_size
+        try:
+            data = line.encode()
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            try:  # no half line: cut back to the last whole record
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            raise write_error(self.path, e) from None
+
+    def restore(self, lines: list[str]) -> None:
+        """Replace the file (atomically) by `lines`: the records up to a checkpoint."""
+        self.lines = list(lines)
+        if self.path is None:
+            return
+        self.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(self.lines)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise write_error(self.path, e) from None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _plain(x):
@@ -155,8 +195,12 @@ def _plain(x):
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(_plain(obj), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(_plain(obj), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, e) from None

@@ -46,6 +46,9 @@ def summary_table(summary: dict) -> Table:
     add = table.add_row
     add("device / placement / precision / dedup",
         f"{summary['device']} / {summary['placement']} / {summary['precision']} / {'on' if summary['dedup'] else 'off'}")
+    if summary["dedup"]:  # in-batch dedup needs no sessions; they only make batches hold more duplicates
+        add("dedup batches", "whole sessions" if summary.get("session_shuffle")
+            else "shuffled samples (no session column)")
     add("steps", f"{summary['steps']:,}")
     add("samples/s", f"{summary['samples_per_second'] or 0:,.0f}")
     for split, m in summary["final"].items():

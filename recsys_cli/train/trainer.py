@@ -7,6 +7,7 @@ run reports, evaluate() scores a split, save()/resume() checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import time
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from data_tools.manifest import ManifestError, load_manifest
+from data_tools.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
@@ -120,10 +121,10 @@ class Trainer:
 
         loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
+        self.keep_sessions = self.session_shuffle(cfg.dedup, self.manifest.session_column)
         self.train_loader = ShardLoader(
             self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
-            keep_sessions=cfg.dedup.enabled if cfg.dedup.keep_sessions is None else cfg.dedup.keep_sessions,
-            **loader_args,
+            keep_sessions=self.keep_sessions, **loader_args,
         )
         self.eval_loaders = {
             split: ShardLoader(self.dataset_dir, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
@@ -147,6 +148,8 @@ class Trainer:
         self.batch_in_epoch = 0
         self.samples = 0
         self.train_seconds = 0.0
+        self.running_loss, self.running_steps = torch.zeros((), device=self.device), 0  # since the last log line
+        self.saved_step: int | None = None
         self.step_losses: list[float] = []  # every step's loss, kept for tests and exactness checks
         self.record_losses = False
         self.evals: list[dict] = []
@@ -165,6 +168,19 @@ class Trainer:
             self.init_from(tc.init_from)
         if self.dist.enabled:
             self.sync = EmbeddingSync(cfg, self.dist, self.model, self.timer, step=self.step)
+
+    def session_shuffle(self, dedup, session_column: str | None) -> bool:
+        """Whether the loader shuffles whole sessions. By default exactly when
+        dedup is on and the dataset has a session column: in-batch dedup of
+        ids needs no sessions, they only make batches hold more duplicates."""
+        if dedup.keep_sessions is None:
+            return bool(dedup.enabled and session_column)
+        if dedup.keep_sessions and not session_column:
+            raise UserError(
+                f"dedup.keep_sessions=true but {self.dataset_dir}/{MANIFEST_NAME} names no session column "
+                "(use dataset=synthetic_sessions, or leave dedup.keep_sessions unset)"
+            )
+        return bool(dedup.keep_sessions)
 
     def plan_placement(self, features, vocab_sizes, row_optimizer):
         """placement=auto: plan from the skew of the first training batches."""
@@ -192,7 +208,7 @@ class Trainer:
     def fit(self) -> dict:
         tc = self.cfg.trainer
         progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
-        running_loss, running_steps, last_log = torch.zeros((), device=self.device), 0, time.perf_counter()
+        last_log = time.perf_counter()
         start = time.perf_counter()
         with progress:
             while self.step < self.total_steps:
@@ -203,31 +219,33 @@ class Trainer:
                     if batch is None:
                         break
                     loss = self.train_step(batch)
-                    running_loss += loss.detach()
-                    running_steps += 1
+                    self.running_loss += loss.detach()
+                    self.running_steps += 1
                     if self.record_losses:
                         self.step_losses.append(loss.item())
                     if self.step % tc.log_every == 0 or self.step == self.total_steps:
-                        mean_loss = (running_loss / running_steps).item()
+                        mean_loss = (self.running_loss / self.running_steps).item()
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
-                        rate = running_steps * tc.batch_size / (now - last_log)
+                        rate = self.running_steps * tc.batch_size / (now - last_log)
                         self.log.write(self.step_record(mean_loss, rate))
                         progress.update(self.step, mean_loss, rate)
-                        running_loss.zero_()
-                        running_steps, last_log = 0, now
+                        self.running_loss.zero_()
+                        self.running_steps, last_log = 0, now
                     if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
                         self.evaluate_and_log("val")
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
-                        self.check_finite((running_loss / max(running_steps, 1)).item())
+                        self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         self.save()
                     if self.step >= self.total_steps:
                         batches.close()
                         break
         self.train_seconds += time.perf_counter() - start
-        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
-        if self.checkpoint_dir is not None:
+        # The trained model is saved before the final evaluation: an evaluation
+        # that fails (a damaged val/test shard) never costs the training.
+        if self.checkpoint_dir is not None and self.saved_step != self.step:
             self.save()
+        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
         return self.summary(final)
 
     def step_record(self, loss: float, rate: float) -> dict:
@@ -333,7 +351,13 @@ class Trainer:
 
     def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
-            where = f"; the last good checkpoint is in {self.checkpoint_dir}" if self.checkpoint_dir else ""
+            latest = self.checkpoint_dir / ckpt.LATEST if self.checkpoint_dir else None
+            if latest is not None and latest.is_file():
+                step = json.loads(latest.read_text())["step"]
+                where = (f"; the last good checkpoint (step {step}) is in {self.checkpoint_dir}: "
+                         "resume with trainer.resume=true")
+            else:
+                where = "; no checkpoint was written (trainer.checkpoint_every=N saves one every N steps)"
             raise UserError(f"loss is {loss} at step {self.step} (try a smaller optimizer.lr){where}")
 
     # --- evaluation ------------------------------------------------------------
@@ -385,17 +409,24 @@ class Trainer:
             "dataset_dir": str(self.dataset_dir.absolute()),
             "vocabulary": self.manifest.options.get("vocabulary", {}).get("fingerprint"),
             "table_tiers": {t.name: g.store_tier for g in self.embeddings.groups for t in g.tables},
+            "metrics": list(self.log.lines),  # metrics.jsonl up to here: a resumed run rewinds it
+            "running_loss": (self.running_loss.cpu(), self.running_steps),  # the next log line's mean
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
     def save(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
-        if self.sync is not None:
-            self.sync.before_checkpoint()
-            if not self.dist.is_main:  # rank 0 writes; every rank restores
-                return None
-        return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
+        self.saved_step = self.step
+        if self.sync is None:
+            return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
+        self.sync.before_checkpoint()
+        # Rank 0 writes (every rank restores); the others wait at a barrier of
+        # the checkpoint group, whose timeout is not the step's dist_timeout,
+        # so a save longer than that does not fail the run.
+        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()) if self.dist.is_main else None
+        distributed.checkpoint_barrier()
+        return path
 
     def resume(self, resume: str) -> None:
         if str(resume).lower() == "true":
@@ -409,11 +440,16 @@ class Trainer:
         if self.dist.enabled:  # every rank loads the checkpoint rank 0 chose
             path = distributed.broadcast_object(path)
         state = ckpt.load_checkpoint(path)
+        if "config" in state:
+            ckpt.check_resumable(path, state["config"], OmegaConf.to_container(self.cfg, resolve=True))
         expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
         if state["features"] != expected:
             raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
-        self.model.load_state_dict(state["model"])
-        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
+            raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
         self.embeddings.load_table_state(state["tables"])
         if len(state["generators"]) == len(self.embeddings.groups):
             for g, s in zip(self.embeddings.groups, state["generators"]):
@@ -422,6 +458,11 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.samples = state["samples"]
+        if "metrics" in state:
+            self.log.restore(state["metrics"])
+            loss, steps = state["running_loss"]
+            self.running_loss, self.running_steps = loss.to(self.device), steps
+        self.saved_step = self.step
         if self.console is not None:
             self.console.print(f"resumed from {path} at step {self.step}")
 
@@ -476,6 +517,7 @@ class Trainer:
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
+            "session_shuffle": self.keep_sessions,  # batches hold whole sessions
             "cache": self.embeddings.stats(),
             "placement_plan": None if self.plan is None else {
                 "budget_bytes": self.plan.budget_bytes, "expected_bytes": self.plan.expected_bytes,

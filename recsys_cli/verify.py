@@ -1,0 +1,60 @@
+"""`recsys verify DIR`: check a dataset directory against its manifest.
+
+Every shard must exist, have the manifest's size and sha256, and be a
+parquet file with the manifest's row count. (Training checks sizes when it
+opens a dataset and each shard's sha256 when it first reads the shard; this
+checks everything up front, e.g. after copying a dataset.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recsys_cli.errors import UserError
+
+
+def problems(directory: Path) -> tuple[list[str], int, int]:
+    """(one line per damaged or missing shard, shards checked, bytes read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_tools.manifest import load_manifest, sha256_file
+
+    manifest = load_manifest(directory)  # ManifestError: one line already
+    found, count, nbytes = [], 0, 0
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            count += 1
+            path = directory / shard.file
+            if not path.is_file():
+                found.append(f"{path}: missing")
+                continue
+            size = path.stat().st_size
+            nbytes += size
+            if shard.bytes is not None and size != shard.bytes:
+                found.append(f"{path}: {size} bytes, the manifest says {shard.bytes}")
+                continue
+            if shard.sha256 and sha256_file(path) != shard.sha256:
+                found.append(f"{path}: sha256 differs from the manifest's")
+                continue
+            try:
+                rows = pq.read_metadata(path).num_rows
+            except (OSError, pa.ArrowException) as e:
+                found.append(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})")
+                continue
+            if rows != shard.rows:
+                found.append(f"{path}: {rows} rows, the manifest says {shard.rows}")
+    return found, count, nbytes
+
+
+def run_verify(args: list[str]) -> None:
+    if len(args) != 1 or args[0].startswith("-"):
+        raise UserError("usage: recsys verify DIR (a preprocessed dataset directory)")
+    directory = Path(args[0]).expanduser()
+    found, count, nbytes = problems(directory)
+    for line in found[1:]:
+        print(f"damaged: {line}")
+    if found:
+        more = f" ({len(found) - 1} more above)" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}; {len(found)} of {count} shards are damaged: preprocess the data again")
+    print(f"ok: {directory}: {count} shards, {nbytes:,} bytes, sizes, sha256 and row counts match the manifest")

@@ -1,0 +1,566 @@
+"""Bad input and damaged runs, as a hostile new user meets them.
+
+Every case asserts what the user sees (exit code 2, one `error:` line naming
+the file, line, feature or key, no traceback) and what is left on disk (the
+user's files untouched, nothing half-written that looks valid, the last good
+checkpoint kept).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tools.manifest import MANIFEST_NAME
+from datasets import write_dataset
+from train_config import config
+
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+
+
+def recsys(*args, cwd, **kw):
+    env = {**os.environ, "RECSYS_CACHE": str(Path(cwd) / "cache"), "COLUMNS": "200"}
+    return subprocess.run([RECSYS, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, **kw)
+
+
+def assert_user_error(result, *needles: str) -> str:
+    """Exit 2, one `error:` line holding every needle, no traceback; returns the line."""
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def set_vocab(dataset: Path, feature: str, vocab: int) -> None:
+    path = dataset / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    for f in m["sparse_features"]:
+        if f["name"] == feature:
+            f["vocab_size"] = vocab
+    path.write_text(json.dumps(m))
+
+
+def tiny_dataset(tmp_path, name="data", **kw) -> Path:
+    return write_dataset(tmp_path, {"train": 600, "val": 200, "test": 200}, name=name, **kw)
+
+
+# The test datasets' first dense feature is the row index (up to 600): a smaller step than the default
+# keeps the loss finite with the DLRM initialisation.
+LR = 0.01
+TINY_TRAIN = ["trainer.batch_size=50", "trainer.max_steps=6", "trainer.progress=false", "trainer.log_every=2",
+              f"optimizer.lr={LR}"]
+
+
+# --- 1. ids outside a table ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["device", "lookahead"])
+@pytest.mark.parametrize("feature", ["C2", "C3"])  # a middle table (would read its neighbour's rows), the last one
+def test_ids_outside_a_table_name_shard_row_group_feature_id(tmp_path, placement, feature):
+    data = tiny_dataset(tmp_path)
+    set_vocab(data, feature, 100)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, f"+placement={placement}", "placement.cache_rows=500",
+               "hydra.run.dir=run", cwd=tmp_path)
+    line = assert_user_error(r, "train-0000", "row group", f"feature {feature}", "vocab_size 100")
+    assert "is outside [0, 100)" in line
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_negative_ids_are_outside_the_table(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_tools.manifest import sha256_file
+    from recsys_cli.data.loader import ShardLoader
+    from recsys_cli.errors import UserError
+
+    data = tiny_dataset(tmp_path)
+    shard = data / "val-00000.parquet"
+    table = pq.read_table(shard)
+    table = table.set_column(table.schema.get_field_index("C1"), "C1", pa.array([-3] * table.num_rows, pa.int32()))
+    pq.write_table(table, shard, row_group_size=100)
+    m = json.loads((data / MANIFEST_NAME).read_text())
+    m["splits"]["val"]["shards"][0].update(sha256=sha256_file(shard), bytes=shard.stat().st_size)
+    (data / MANIFEST_NAME).write_text(json.dumps(m))
+    with pytest.raises(UserError, match=r"val-00000.parquet: row group 0, feature C1: id -3 is outside \[0, 1000\)"):
+        list(ShardLoader(data, "val", 50, shuffle=False))
+
+
+# --- 3. preprocess replaces only what it wrote -------------------------------------------------------------------
+
+
+def criteo_lines(n: int, seed: int = 0, columns: int = 40) -> str:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        fields = [str(rng.randint(0, 1))] + [str(rng.randint(0, 50)) for _ in range(13)]
+        fields += [f"{rng.randint(0, 40):08x}" for _ in range(26)]
+        lines.append("\t".join(fields[40 - columns:]))
+    return "\n".join(lines) + "\n"
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_preprocess_replaces_only_its_own_files(tmp_path):
+    from data_tools.criteo import CriteoConfig, preprocess
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(700))
+    out = tmp_path / "ds"
+    cfg = CriteoConfig(input=str(raw), output=str(out), progress=False, row_group_rows=50, shard_rows=100)
+    preprocess(cfg)
+    first = set(files_of(out))
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "keep.parquet").write_text("also mine")
+    raw.write_text(criteo_lines(300, seed=1))  # fewer rows: fewer shards than before
+    m = preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False, row_group_rows=50, shard_rows=100))
+    after = files_of(out)
+    assert after["notes.txt"] == b"mine" and after["mine/keep.parquet"] == b"also mine"
+    shards = {s.file for split in m.splits.values() for s in split.shards}
+    assert set(after) == shards | {"manifest.json", ".recsys-files.json", "notes.txt", "mine/keep.parquet"}
+    assert len(first - set(after)) > 0  # the old dataset's surplus shards are gone
+    assert not list(tmp_path.glob("ds.*"))  # no temporary or old directory left
+
+
+def test_preprocess_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
+    from data_tools.criteo import CriteoConfig, preprocess
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    listed = json.loads((out / ".recsys-files.json").read_text())
+    (out / ".recsys-files.json").write_text(json.dumps([f for f in listed if f != "train/part-00000.parquet"]))
+    before = files_of(out)
+    with pytest.raises(UserError, match=r"holds train/part-00000.parquet, which recsys did not write"):
+        preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    assert files_of(out) == before
+
+
+def test_preprocess_refuses_an_input_inside_the_output(tmp_path):
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", "progress=false", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    inside = tmp_path / "ds" / "raw.tsv"
+    inside.write_text(criteo_lines(300, seed=2))
+    before = files_of(tmp_path / "ds")
+    r = recsys("preprocess", "criteo", f"input={inside}", "output=ds", "progress=false", cwd=tmp_path)
+    assert_user_error(r, str(inside), "inside the output directory ds")
+    assert files_of(tmp_path / "ds") == before
+
+
+# --- 4. one run per run directory ----------------------------------------------------------------------------------
+
+
+def test_a_second_run_in_a_busy_run_directory_fails_and_leaves_it_alone(tmp_path):
+    from recsys_cli.train import rundir
+
+    data = tiny_dataset(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the running run's files
+    with rundir.locked(run):  # a run holds the directory
+        r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+        assert_user_error(r, f"run directory {run}", f"in use by another recsys train (pid {os.getpid()})")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert not (run / ".hydra").exists() and not (run / "summary.json").exists()
+    assert not (run / "checkpoints").exists()
+
+
+def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
+    data = tiny_dataset(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").write_text(dead.stdout)  # the lock file of a run that was killed
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+# --- 6. metrics.jsonl after a resume ---------------------------------------------------------------------------------
+
+
+def records(run: Path) -> list[dict]:
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        r.pop("samples_per_second", None)  # timing
+        out.append(r)
+    return out
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__epochs=3, trainer__log_every=4,
+                  trainer__eval_every=6, trainer__checkpoint_every=10)
+    Trainer(config(tmp_path, optimizer__lr=LR, **common), run_dir=tmp_path / "full").fit()
+
+    step = Trainer.train_step
+
+    def dies_after_step_25(self, batch):
+        if self.step == 25:
+            raise Killed  # as if killed: checkpoint at 20, metrics written up to 20 plus the records of step 24
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", dies_after_step_25)
+    with pytest.raises(Killed):
+        Trainer(config(tmp_path, optimizer__lr=LR, **common), run_dir=tmp_path / "run").fit()
+    assert max(r["step"] for r in records(tmp_path / "run")) > 20
+    monkeypatch.setattr(Trainer, "train_step", step)
+    Trainer(config(tmp_path, optimizer__lr=LR, **common, trainer__resume="true"), run_dir=tmp_path / "run").fit()
+    assert records(tmp_path / "run") == records(tmp_path / "full")
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+# --- 5. resume into a different model ----------------------------------------------------------------------------
+
+
+def test_resume_into_another_model_names_the_keys_and_changes_nothing(tmp_path):
+    data = tiny_dataset(tmp_path)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ck = tmp_path / "run" / "checkpoints"
+    before = files_of(ck)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.resume=true", "hydra.run.dir=run2",
+               f"trainer.checkpoint_dir={ck}", "model.embedding_dim=8", "model.bottom_mlp=[64,8]",
+               "model.interaction=cat", cwd=tmp_path)
+    line = assert_user_error(r, str(ck / "step-00000006.pt"), "model.embedding_dim=16 in the checkpoint, 8 now",
+                             "model.bottom_mlp=[64, 16] in the checkpoint, [64, 8] now", "model.interaction")
+    assert "placement.*" in line  # says what may change
+    after = files_of(ck)
+    after.pop(".lock")  # the second run held the checkpoint directory while it checked
+    assert after == before
+    # What may change does: placement, precision, trainer.* keys.
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=10", "trainer.resume=true",
+               "+placement=lookahead", "placement.cache_rows=800", "+precision=int8", "hydra.run.dir=run3",
+               f"trainer.checkpoint_dir={ck}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert json.loads((tmp_path / "run3" / "summary.json").read_text())["steps"] == 10
+
+
+# --- 2. corrupt shards ---------------------------------------------------------------------------------------------
+
+
+def damage(path: Path, at: float = 0.5) -> None:
+    """Flip a run of bytes inside the file (its size stays)."""
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i : i + 64] = bytes(b ^ 0x5A for b in data[i : i + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_train_shard_is_named_by_its_checksum(tmp_path):
+    data = tiny_dataset(tmp_path)
+    damage(data / "train-00001.parquet")
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "hydra.run.dir=run",
+               cwd=tmp_path)
+    assert_user_error(r, str(data / "train-00001.parquet"), "sha256", "recsys verify")
+    r = recsys("verify", data, cwd=tmp_path)
+    assert_user_error(r, "train-00001.parquet: sha256 differs")
+
+
+def test_a_truncated_shard_fails_at_start(tmp_path):
+    data = tiny_dataset(tmp_path)
+    shard = data / "test-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, str(shard), "bytes, the manifest says")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before any training
+
+
+def test_an_unreadable_val_shard_keeps_the_trained_model(tmp_path):
+    data = tiny_dataset(tmp_path)
+    shard = data / "val-00000.parquet"
+    damage(shard, at=0.3)
+    m = json.loads((data / MANIFEST_NAME).read_text())
+    m["splits"]["val"]["shards"][0]["sha256"] = ""  # a dataset without checksums: the read itself fails
+    (data / MANIFEST_NAME).write_text(json.dumps(m))
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, str(shard), "row group 0 cannot be read")
+    latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 6  # the final checkpoint was written before the final evaluation
+
+
+def test_verify_accepts_a_good_dataset(tmp_path):
+    data = tiny_dataset(tmp_path)
+    r = recsys("verify", data, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "ok:" in r.stdout and "4 shards" in r.stdout
+
+
+# --- 8. small lies in messages -------------------------------------------------------------------------------------
+
+
+def test_nan_loss_without_a_checkpoint_says_none_was_written(tmp_path):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, optimizer__lr=1e12, trainer__log_every=1)
+    with pytest.raises(UserError, match=r"loss is nan at step \d+ .*; no checkpoint was written"):
+        Trainer(cfg).fit()
+    cfg = config(tmp_path, dataset__path=str(data), trainer__batch_size=50, optimizer__lr=1e12, trainer__log_every=1,
+                 trainer__checkpoint_every=1, trainer__checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(UserError, match=r"the last good checkpoint \(step \d+\) is in .*ck: resume with"):
+        Trainer(cfg).fit()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error):
+    raw = tmp_path / "test.txt"
+    raw.write_text(criteo_lines(50, columns=39))
+    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}", "progress=false",
+               cwd=tmp_path)
+    line = assert_user_error(r, f"{raw} line 1", "found 39", "looks unlabelled", "needs the label")
+    assert "on_error=skip drops" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.txt"]
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
+    ("+trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
+    ("+placement=nowhere", "Could not find 'placement/nowhere' (options: auto, cache"),
+    ("trainer.batch_size=many", "bad value for 'trainer.batch_size'"),
+    ("trainer.max_steps=[1", "cannot parse the override"),
+    ("hydra.nokey=1", None),  # Hydra's own keys: Hydra's report, but exit 2 too
+])
+def test_config_errors_exit_2_on_one_line(tmp_path, override, needle):
+    r = recsys("train", override, "hydra.run.dir=run", cwd=tmp_path)
+    if needle is None:
+        assert r.returncode == 2 and "nokey" in r.stderr, r.stderr
+    else:
+        assert_user_error(r, "bad configuration", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_lists_only_train_groups(tmp_path):
+    r = recsys("train", "--help", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "placement:" in groups and "preprocess" not in groups
+
+
+# --- 9. dedup on a dataset without sessions ------------------------------------------------------------------------
+
+
+def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+    from rich.console import Console
+
+    data = tiny_dataset(tmp_path, multihot=1, vocab=20)  # ids repeat within a batch
+    common = dict(dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10)
+    runs = {}
+    for enabled in (False, True):
+        t = Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=enabled))
+        t.record_losses = True
+        runs[enabled] = (t, t.fit())
+    (off, _), (on, summary) = runs[False], runs[True]
+    torch.testing.assert_close(torch.tensor(on.step_losses), torch.tensor(off.step_losses), rtol=1e-6, atol=0)
+    assert summary["dedup"] and summary["session_shuffle"] is False
+    assert summary["duplication"]["lookups_saved_by_dedup"] > 0
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    assert "shuffled samples (no session column)" in console.export_text()
+    with pytest.raises(UserError, match="dedup.keep_sessions=true but .* names no session column .*dataset=synthetic_sessions"):
+        Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=True, dedup__keep_sessions=True))
+
+
+def test_cli_dedup_on_data_without_sessions(tmp_path):
+    data = tiny_dataset(tmp_path, multihot=1, vocab=20)  # like the default dataset: no session column
+    r = recsys("train", "+dedup=on", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "no session column" in r.stdout
+
+
+# --- 7. disk full --------------------------------------------------------------------------------------------------
+
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_preprocess_checks_free_space_before_the_spill(tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    from data_tools import criteo
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(criteo.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    with pytest.raises(UserError, match=r"pass 1 spills about 0.0 GB \(300 rows x 160 bytes\) to .*ds.tmp-\d+, but "
+                                        r"only 0.0 GB are free there; free space or give spill=false"):
+        criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(tmp_path / "ds"), progress=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.tsv"]
+    criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(tmp_path / "ds"), progress=False, spill=False))
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_disk_full_in_preprocess_leaves_the_old_dataset(tmp_path, monkeypatch, spill):
+    from data_tools import criteo
+    from data_tools import shards as sh
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(out), progress=False))
+    before = files_of(out)
+    monkeypatch.setattr(sh.ShardWriter, "_write_group", enospc)
+    with pytest.raises(UserError, match=rf"cannot write the dataset {out} \(built in .*\): no space left on device; "
+                                        rf"{out} is as it was"):
+        criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(out), progress=False, spill=spill))
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "raw.tsv"]
+
+
+def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train import checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    ck = tmp_path / "ck"
+    real = torch.save
+    calls = []
+
+    def save_then_fill_the_disk(state, f):
+        calls.append(f)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"half a checkpoint")
+            enospc()
+        real(state, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_then_fill_the_disk)
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+                 trainer__checkpoint_every=4, trainer__checkpoint_dir=str(ck))
+    with pytest.raises(UserError, match=rf"cannot write {ck}/step-00000008.pt: no space left on device; the last good "
+                                        rf"checkpoint, {ck}/step-00000004.pt, is kept"):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]
+    assert json.loads((ck / "latest.json").read_text())["step"] == 4
+    torch.load(ck / "step-00000004.pt", weights_only=False)  # whole
+
+
+def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
+    from recsys_cli.errors import UserError
+    from recsys_cli.train import metrics
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    real = os.write
+    calls = []
+
+    def half_then_full(fd, data):
+        calls.append(fd)
+        if len(calls) == 3:
+            real(fd, data[: len(data) // 2])
+            enospc()
+        return real(fd, data)
+
+    monkeypatch.setattr(metrics.os, "write", half_then_full)
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=10,
+                 trainer__log_every=2)
+    with pytest.raises(UserError, match=rf"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: no space left on device"):
+        Trainer(cfg, run_dir=tmp_path / "run").fit()
+    monkeypatch.undo()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4]
+
+
+# --- 10. distributed checkpoints ---------------------------------------------------------------------------------
+
+
+def slow_checkpoint_run(container: dict, sleep_s: float) -> dict | None:
+    """A worker whose rank 0 takes `sleep_s` longer to write each checkpoint
+    (as a save of large host tables does)."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import TrainConfig
+    from recsys_cli.train import checkpoint, distributed
+    from recsys_cli.train.trainer import Trainer
+
+    real = checkpoint.save_checkpoint
+
+    def slow(*args, **kwargs):
+        time.sleep(sleep_s)
+        return real(*args, **kwargs)
+
+    checkpoint.save_checkpoint = slow
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), container)
+    ctx = distributed.init(timeout_s=cfg.trainer.dist_timeout, device="cpu")
+    trainer = Trainer(cfg)
+    trainer.fit()
+    distributed.teardown()
+    return {"step": trainer.step} if ctx.is_main else None
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_checkpoint_longer_than_the_step_timeout(tmp_path):
+    from omegaconf import OmegaConf
+
+    from recsys_cli.train import distributed
+
+    data = tiny_dataset(tmp_path)
+    timeout = 6  # seconds; slack for the ranks' start-up skew on a busy machine
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
+                 trainer__dist_timeout=timeout, trainer__checkpoint_dir=str(tmp_path / "ck"),
+                 placement__kind="lookahead", placement__cache_rows=800)
+    try:  # the final checkpoint, then the final evaluation's collectives
+        out = distributed.launch(slow_checkpoint_run, 2, OmegaConf.to_container(cfg, resolve=True), 2.5 * timeout)
+    except distributed.WorkerFailed as e:
+        pytest.fail(f"{e}\n{e.traceback}")
+    assert out[0] == {"step": 8}
+    assert json.loads((tmp_path / "ck" / "latest.json").read_text())["step"] == 8
+
+
+def test_host_tables_are_checkpointed_without_a_copy(tmp_path):
+    from recsys_cli.train.checkpoint import load_checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path, vocab=20000)
+    cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=4,
+                 placement__kind="uvm", trainer__checkpoint_dir=str(tmp_path / "ck"))
+    trainer = Trainer(cfg)
+    trainer.fit()
+    (group,) = trainer.embeddings.groups
+    store = group.store.rows.tensors()["weights"]
+    for tensors in trainer.embeddings.table_state().values():  # views of the host store, no copy
+        assert tensors["weights"].untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+    table_bytes = store.numel() * store.element_size()
+    path = tmp_path / "ck" / "step-00000004.pt"
+    assert table_bytes < path.stat().st_size < 1.1 * table_bytes + 200_000  # the fused storage once
+    saved = load_checkpoint(path)["tables"]
+    for name, tensors in trainer.embeddings.table_state().items():
+        assert torch.equal(saved[name]["weights"], tensors["weights"])

@@ -133,7 +133,8 @@ def test_preprocess_replaces_only_its_own_files(tmp_path):
     after = files_of(out)
     assert after["notes.txt"] == b"mine" and after["mine/keep.parquet"] == b"also mine"
     shards = {s.file for split in m.splits.values() for s in split.shards}
-    assert set(after) == shards | {"manifest.json", ".recsys-files.json", "notes.txt", "mine/keep.parquet"}
+    vocab = {e[k]["file"] for e in m.options["vocabulary"]["files"].values() for k in ("values", "ids")}
+    assert set(after) == shards | vocab | {"manifest.json", ".recsys-files.json", "notes.txt", "mine/keep.parquet"}
     assert len(first - set(after)) > 0  # the old dataset's surplus shards are gone
     assert not list(tmp_path.glob("ds.*"))  # no temporary or old directory left
 
@@ -204,6 +205,7 @@ def records(run: Path) -> list[dict]:
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         r.pop("samples_per_second", None)  # timing
+        r.pop("phase_seconds", None)  # timing
         out.append(r)
     return out
 

@@ -128,7 +128,7 @@ def rows():
 def test_ids_and_vocab_match_reference(tmp_path, rows, min_count, spill):
     raw = write_raw(tmp_path / "train.txt", rows)
     m, out = run(tmp_path, raw, min_count=min_count, split="ratios", block_size=4096, spill=spill)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "test", "train", "val", "vocab"]
+    assert sorted(p.name for p in out.iterdir()) == [".recsys-files.json", "manifest.json", "test", "train", "val", "vocab"]
     vocab, ids, labels, dense = reference(rows, min_count)
     assert [f.vocab_size for f in m.sparse_features] == vocab
     assert [f.name for f in m.sparse_features] == CRITEO_SPARSE

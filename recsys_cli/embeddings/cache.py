@@ -8,21 +8,27 @@ Invariant 1, one owner per row. A row is served (read and updated) either
 by exactly one slot or by the store, never by both: while a row has a slot,
 its store copy is stale and nothing reads or writes it there; a row leaves
 its slot only through a write-back (dirty) or a drop (clean), after which the
-store is its owner again. A lookahead cache admits every row its window
-needs (cDLRM), whatever the store's precision, so every row a batch touches
-is in a slot. Only an on-demand cache (no prefetcher: one batch is in flight
-at a time, prepared on the trainer's thread) with lfu policy in front of a
-low-precision table turns rows away (Yang et al.): a missed row is admitted
-only if used at least as often as the victim it would replace, and a row
-turned away has no slot and is read and updated in the store, dequantized and
-requantized. No batch can hold a stale copy of it, because no other batch is
-in flight.
+store is its owner again. Admission:
+  * fp32 store: every row a batch needs gets a slot (cDLRM); a lookahead
+    cache shrinks its window to make room, and a batch that cannot fit even
+    alone is CacheTooSmall.
+  * low-precision store (Yang et al.): rows that find no slot are read and
+    updated in the store, dequantized and requantized. An on-demand cache with
+    lfu policy also turns rows away by use count (a miss is admitted only if
+    used at least as often as the victim it would replace). A lookahead cache
+    admits every miss it has room for, except a row that a batch still in its
+    window is served from the store: that row stays in the store until the
+    batch completes, so no later batch can train on a copy of it that the
+    store's update makes stale (the bug of issue 11).
+No row is ever in two slots, and a batch's rows keep their owner from its
+prepare to its release.
 
 Invariant 2, residency follows from the batches alone. The batch with index
 j (global, counted over the run) is prepared with window w <= `window`: it
 waits until every batch before j - w has been completed by the trainer, and
 the rows of batches j - w .. j - 1 (what they got at prepare, recorded in
-`history`) and its own hits are protected; every other resident row may be
+`history`) and its own hits are protected, and so are the store-served rows
+of those batches from admission; every other resident row may be
 evicted, by policy (lru: least recently prepared; lfu: fewest uses), ties
 broken by slot. Whether batch j - w + 1 happens to be done already changes
 nothing, so the slots, evictions, write-backs and their order are a function
@@ -93,8 +99,6 @@ class CachedGroup(TableGroup):
         admit_all: bool = True, store_tier: str = "host", evict_chunk: int | None = None, **kwargs,
     ) -> None:
         super().__init__(*args, store_tier=store_tier, **kwargs)
-        if lookahead and not admit_all:
-            raise ValueError("a lookahead cache admits every row its window needs (one owner per row)")
         self.kind = "lookahead" if lookahead else "cache"
         self.lookahead = lookahead
         # On-demand caches prepare on the trainer's thread, every earlier batch done.
@@ -117,12 +121,14 @@ class CachedGroup(TableGroup):
         self.num_free = cache_slots
         # LFU admission needs a count for rows that are not resident (LRU
         # admits every miss it has room for).
-        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if not admit_all and policy == "lfu" else None
+        lfu_admission = not admit_all and not lookahead and policy == "lfu"
+        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if lfu_admission else None
         self.clock = 0
         self.prepared = 0  # index of the next batch prepare() takes
         self.completed = 0  # batches the trainer is done with
         self.completes_on_release = True  # cache_avg: batches complete after the step's cross-rank average
-        self.history: collections.deque[tuple[int, torch.Tensor]] = collections.deque()  # (batch, its slots)
+        # (batch, its slots, the rows the store served it): what later batches protect.
+        self.history: collections.deque[tuple[int, torch.Tensor, torch.Tensor]] = collections.deque()
         self.sync_points: list[int] | None = None  # cache_avg: steps after which rows were averaged
         self.last_window = self.window
         self.inflight = 0  # plans pinned and not yet released
@@ -156,13 +162,19 @@ class CachedGroup(TableGroup):
                 self.row_uses[unique] += 1
             need = misses.numel()
             evictable = None
-            if not self.admit_all:  # on-demand, low precision: admission decides who gets a slot
-                self.last_window, evictable = 0, self._evictable(index, slots[hit], 0)
-                admitted = self._admit(misses, evictable) if self.row_uses is not None else torch.ones(need, dtype=torch.bool)
+            if not self.admit_all:  # low precision: rows without a slot are served by the store
+                self.last_window = self.window
+                evictable, locked = self._protect(index, slots[hit], self.window)
+                admitted = torch.zeros(need, dtype=torch.bool)
+                candidates = torch.nonzero(~torch.isin(misses, locked)).flatten()
+                if self.row_uses is not None:
+                    chosen = self._admit(misses[candidates], evictable)
+                else:
+                    chosen = torch.ones(candidates.numel(), dtype=torch.bool)
                 room = self.num_free + int(evictable.sum())
-                if int(admitted.sum()) > room:  # rows that find no slot stay in the store this step
-                    admitted[torch.nonzero(admitted).flatten()[room:]] = False
-                need = int(admitted.sum())
+                chosen_at = candidates[chosen][:room]  # beyond the room, rows stay in the store this step
+                admitted[chosen_at] = True
+                need = chosen_at.numel()
             else:
                 admitted = torch.ones(need, dtype=torch.bool)
                 self.last_window = self.window
@@ -185,7 +197,7 @@ class CachedGroup(TableGroup):
                 self.score[slots[resident]] += 1
             self.inflight += 1
             self.prepared += 1
-            self.history.append((index, slots[resident]))
+            self.history.append((index, slots[resident], unique[~resident]))
             self._prune_history(index + 1 - self.window)
             n_hit = int(hit.sum())
             self.stats_["hits"] += n_hit
@@ -216,23 +228,27 @@ class CachedGroup(TableGroup):
             return position
         return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
 
-    def _evictable(self, index: int, hits: torch.Tensor, window: int) -> torch.Tensor:
-        """Resident slots that batch `index`, prepared with `window`, may evict:
-        all but those of the protected batches and its own hits."""
+    def _protect(self, index: int, hits: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For batch `index` prepared with `window`: the resident slots it may
+        evict (all but those of the protected batches and its own hits), and
+        the rows it must not admit (served by the store to a protected batch)."""
         first = self._first_unsafe(index - window)
         protected = torch.zeros(self.capacity, dtype=torch.bool)
         protected[hits] = True
-        for batch, slots in self.history:
+        locked = []
+        for batch, slots, store_rows in self.history:
             if batch >= first:
                 protected[slots] = True
-        return (self.row_of_slot >= 0) & ~protected
+                locked.append(store_rows)
+        locked_rows = torch.cat(locked) if locked else torch.zeros(0, dtype=torch.int64)
+        return (self.row_of_slot >= 0) & ~protected, locked_rows
 
     def _make_room(self, index: int, hits: torch.Tensor, extra: int, unique: torch.Tensor):
         """(window, evictable slots) for batch `index` that needs `extra` slots
         beyond the free ones: the widest window whose unprotected rows suffice."""
         for window in range(self.window, -1, -1):
             self._wait_completed(index - window)
-            evictable = self._evictable(index, hits, window)
+            evictable, _ = self._protect(index, hits, window)
             if int(evictable.sum()) >= extra:
                 return window, evictable
         while self.on_starved is not None and self._first_unsafe(index) < index:
@@ -243,7 +259,7 @@ class CachedGroup(TableGroup):
                 if self.stop.is_set():
                     raise PrefetchStopped()
                 self.cond.wait(timeout=0.1)
-            evictable = self._evictable(index, hits, 0)
+            evictable, _ = self._protect(index, hits, 0)
             if int(evictable.sum()) >= extra:
                 return 0, evictable
         raise CacheTooSmall(
@@ -452,7 +468,7 @@ class CachedGroup(TableGroup):
                 "row_of_slot": self.row_of_slot.clone(), "dirty": self.dirty.clone(), "score": self.score.clone(),
                 "free_slots": self.free_slots.clone(), "num_free": self.num_free, "clock": self.clock,
                 "prepared": self.prepared, "completed": self.completed,
-                "history": [(b, slots.clone()) for b, slots in self.history],
+                "history": [(b, slots.clone(), rows.clone()) for b, slots, rows in self.history],
                 "sync_points": None if self.sync_points is None else list(self.sync_points),
                 "row_uses": None if self.row_uses is None else self.row_uses.clone(),
                 "stats": dict(self.stats_),
@@ -487,7 +503,7 @@ class CachedGroup(TableGroup):
             self.free_slots.copy_(saved["free_slots"])
             self.num_free, self.clock = saved["num_free"], saved["clock"]
             self.prepared, self.completed = saved["prepared"], saved["completed"]
-            self.history = collections.deque((b, s.clone()) for b, s in saved["history"])
+            self.history = collections.deque((b, s.clone(), r.clone()) for b, s, r in saved["history"])
             if saved["sync_points"] is not None:  # before cache_avg's EmbeddingSync exists
                 self.sync_points = list(saved["sync_points"])
             if self.row_uses is not None and saved["row_uses"] is not None:

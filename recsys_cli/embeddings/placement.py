@@ -13,11 +13,11 @@ and copies them to the device every step, writing their updates back: a
 host gather, not CUDA unified memory (`uvm` is accepted as its old name);
 `lookahead` and `cache` put host tables behind an fp32 device cache.
 
-Admission (one owner per row, see cache.py): a lookahead cache admits every
-row its window needs, whatever the store's precision (cDLRM), so its rows
-are only ever read and updated in their slot; LFU admission, with the rows
-it turns away read and updated in the low-precision store, belongs to the
-on-demand cache alone, which serves one batch at a time.
+Admission (one owner per row, see cache.py): an fp32 table's cache admits
+every row a batch needs; a low-precision table's cache admits what it has
+room for and the store serves the rest, with lfu admission by use count in
+an on-demand cache only, and a lookahead cache never admitting a row that a
+batch in its window is served from the store.
 """
 
 from __future__ import annotations
@@ -109,8 +109,7 @@ def make_group(kind, table_precision, specs, weights, placement, precision, opti
         slots = cache_slots(weights.shape[0], rows, ratio)
         return CachedGroup(
             **args, store_tier="device" if kind == "device" else "host", cache_slots=slots, policy=policy,
-            lookahead=kind == "lookahead", window=placement.window,
-            admit_all=table_precision == "fp32" or kind == "lookahead",
+            lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32",
         )
     return DirectGroup(**args, kind=kind)
 

@@ -51,7 +51,10 @@ class RowStore:
     def key(self, ids: torch.Tensor, step: int) -> RoundingKey:
         """The rounding key of writing fused rows `ids` at `step`."""
         ids_cpu = ids.cpu()
-        table = torch.searchsorted(self._table_start, ids_cpu, right=True) - 1
+        if self._table_start.numel() == 1:
+            table = torch.zeros_like(ids_cpu)
+        else:
+            table = torch.searchsorted(self._table_start, ids_cpu, right=True) - 1
         local = ids_cpu - self._table_start[table]
         return RoundingKey(self.seed, self._table_number[table].to(ids.device), local.to(ids.device), step)
 
@@ -61,9 +64,10 @@ class RowStore:
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, step: int | None = None) -> None:
         """Store fp32 rows (and state) of `ids`; step keys the rounding of a low-precision store."""
-        if step is None and self.precision != "fp32" and self.rows.rounding == "stochastic":
+        keyed = self.precision != "fp32" and self.rows.rounding == "stochastic"
+        if keyed and step is None:
             raise ValueError("a stochastically rounded write needs its step (the rounding key)")
-        self.rows.write(ids, rows, None if step is None else self.key(ids, step))
+        self.rows.write(ids, rows, self.key(ids, step) if keyed else None)
         if state.numel():
             self.state.index_copy_(0, ids, state)
 

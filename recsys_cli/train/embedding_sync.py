@@ -43,7 +43,7 @@ lookahead or on-demand cache only):
     training (they hold one only to load checkpoints).
   * Each rank updates its cache replica with its own gradients only (no
     per-step embedding gradient averaging; dense gradients and uncached
-    device/uvm tables are still averaged every step).
+    device/host tables are still averaged every step).
   * Sync: every trainer.sync_every steps, and before evaluation and
     checkpoints, all ranks average the cache rows and optimizer state touched
     since the last sync (one all-reduce of those slots; every rank touches the
@@ -99,7 +99,7 @@ def check(cfg, embeddings: EmbeddingCollection) -> None:
             f"trainer.embedding_sync=cache_avg averages cache rows, but placement.kind={cfg.placement.kind} "
             "puts no table behind a cache: use +placement=lookahead (or cache), or trainer.embedding_sync=grad"
         )
-    if any(not g.admit_all for g in cached):
+    if any(g.store.precision != "fp32" for g in cached):
         raise UserError(
             f"trainer.embedding_sync=cache_avg needs fp32 tables behind the cache, not precision.kind="
             f"{cfg.precision.kind}: use trainer.embedding_sync=grad"

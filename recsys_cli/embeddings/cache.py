@@ -164,17 +164,17 @@ class CachedGroup(TableGroup):
             evictable = None
             if not self.admit_all:  # low precision: rows without a slot are served by the store
                 self.last_window = self.window
-                evictable, locked = self._protect(index, slots[hit], self.window)
                 admitted = torch.zeros(need, dtype=torch.bool)
-                candidates = torch.nonzero(~torch.isin(misses, locked)).flatten()
-                if self.row_uses is not None:
-                    chosen = self._admit(misses[candidates], evictable)
-                else:
-                    chosen = torch.ones(candidates.numel(), dtype=torch.bool)
-                room = self.num_free + int(evictable.sum())
-                chosen_at = candidates[chosen][:room]  # beyond the room, rows stay in the store this step
-                admitted[chosen_at] = True
-                need = chosen_at.numel()
+                candidates = torch.nonzero(~torch.isin(misses, self._locked(index, self.window))).flatten()
+                chosen = torch.ones(candidates.numel(), dtype=torch.bool)
+                if candidates.numel() > self.num_free:  # not room for all in free slots: evict or turn away
+                    evictable = self._evictable(index, slots[hit], self.window)
+                    if self.row_uses is not None:
+                        chosen = self._admit(misses[candidates], evictable)
+                    room = self.num_free + int(evictable.sum())
+                    chosen[torch.nonzero(chosen).flatten()[room:]] = False  # beyond the room: the store this step
+                admitted[candidates[chosen]] = True
+                need = int(chosen.sum())
             else:
                 admitted = torch.ones(need, dtype=torch.bool)
                 self.last_window = self.window
@@ -228,27 +228,29 @@ class CachedGroup(TableGroup):
             return position
         return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
 
-    def _protect(self, index: int, hits: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For batch `index` prepared with `window`: the resident slots it may
-        evict (all but those of the protected batches and its own hits), and
-        the rows it must not admit (served by the store to a protected batch)."""
+    def _evictable(self, index: int, hits: torch.Tensor, window: int) -> torch.Tensor:
+        """Resident slots that batch `index`, prepared with `window`, may
+        evict: all but those of the protected batches and its own hits."""
         first = self._first_unsafe(index - window)
         protected = torch.zeros(self.capacity, dtype=torch.bool)
         protected[hits] = True
-        locked = []
-        for batch, slots, store_rows in self.history:
+        for batch, slots, _ in self.history:
             if batch >= first:
                 protected[slots] = True
-                locked.append(store_rows)
-        locked_rows = torch.cat(locked) if locked else torch.zeros(0, dtype=torch.int64)
-        return (self.row_of_slot >= 0) & ~protected, locked_rows
+        return (self.row_of_slot >= 0) & ~protected
+
+    def _locked(self, index: int, window: int) -> torch.Tensor:
+        """Rows batch `index` must not admit: the store serves them to a protected batch."""
+        first = self._first_unsafe(index - window)
+        locked = [rows for batch, _, rows in self.history if batch >= first]
+        return torch.cat(locked) if locked else torch.zeros(0, dtype=torch.int64)
 
     def _make_room(self, index: int, hits: torch.Tensor, extra: int, unique: torch.Tensor):
         """(window, evictable slots) for batch `index` that needs `extra` slots
         beyond the free ones: the widest window whose unprotected rows suffice."""
         for window in range(self.window, -1, -1):
             self._wait_completed(index - window)
-            evictable, _ = self._protect(index, hits, window)
+            evictable = self._evictable(index, hits, window)
             if int(evictable.sum()) >= extra:
                 return window, evictable
         while self.on_starved is not None and self._first_unsafe(index) < index:
@@ -259,7 +261,7 @@ class CachedGroup(TableGroup):
                 if self.stop.is_set():
                     raise PrefetchStopped()
                 self.cond.wait(timeout=0.1)
-            evictable, _ = self._protect(index, hits, 0)
+            evictable = self._evictable(index, hits, 0)
             if int(evictable.sum()) >= extra:
                 return 0, evictable
         raise CacheTooSmall(

@@ -28,27 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-MASK32 = 0xFFFFFFFF
+from recsys_cli.embeddings.counter import MASK32, fmix32
+
 # Steps used as keys by writes that are not a training step's.
 INIT_STEP = -1  # the table's first quantization
 CONVERT_STEP = -2  # a checkpoint loaded into another precision
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow."""
-    lo = (x * (c & 0xFFFF)) & MASK32
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (lowbias32): every input bit flips about
-    half the output bits. x: int64 in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def counter_hash(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.Tensor | int, width: int) -> torch.Tensor:
@@ -60,9 +44,9 @@ def counter_hash(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.
     step = torch.as_tensor(step, dtype=torch.int64, device=device).expand(row.shape)
     h = torch.full(row.shape, seed & MASK32, dtype=torch.int64, device=device)
     for word in (table & MASK32, row & MASK32, row >> 32, step & MASK32):
-        h = _mix32(h ^ word)
+        h = fmix32(h ^ word ^ 0x9E3779B9)  # the constant keeps all-zero keys off fmix32's fixed point 0
     h = h.unsqueeze(1) ^ torch.arange(width, dtype=torch.int64, device=device)
-    return _mix32(_mix32(h))
+    return fmix32(fmix32(h))
 
 
 def uniform_noise(hashes: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from recsys_cli.embeddings.counter import MASK32 as _MASK32
+from recsys_cli.embeddings.counter import fmix32 as _fmix32
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.store import RowStore
@@ -38,25 +40,7 @@ class TableSpec:
 # values. The draw is murmur3's 32-bit finaliser applied to the element's
 # index, all in int64 arithmetic that never overflows (so CPU and CUDA agree),
 # and the uniform comes from 24 bits of the hash with one fp32 multiply.
-_MASK32 = 0xFFFFFFFF
 _INIT_CHUNK_ELEMENTS = 1 << 16  # values per piece: temporaries that stay in cache (3x faster than 1 << 20)
-
-
-def _mul32(x: torch.Tensor | int, c: int):
-    """(x * c) mod 2**32 for x in [0, 2**32), via 16-bit halves of c so no
-    product leaves int64."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(h):
-    """murmur3's finaliser: a bijection of [0, 2**32) with full avalanche.
-    Works on Python ints and on int64 tensors holding 32-bit values."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def table_key(name: str, seed: int) -> tuple[int, int]:

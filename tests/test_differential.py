@@ -37,7 +37,7 @@ from reference_trainer import ReferenceTrainer
 FAST_SEEDS = [0, 1, 2, 4, 6, 7, 9, 19, 20, 22, 23, 24, 26, 28, 37, 61, 71, 112, 186, 278]
 COMBOS = int(os.environ.get("RECSYS_DIFF_COMBOS", "0"))
 SEEDS = list(range(COMBOS)) if COMBOS else FAST_SEEDS
-STEPS = 24
+STEPS = 16
 BATCHES = make_batches(STEPS, batch_size=16, seed=5)
 LR = 0.1
 

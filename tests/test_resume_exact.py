@@ -99,7 +99,7 @@ def check_combination(tmp_path: Path, args: list[str], steps: int, data=SMALL):
 def test_lookahead_int8_small_cache_is_reproducible_and_resumes_exactly(tmp_path):
     # 0.05 of the small data's rows is less than one batch's unique rows: the store serves the rest.
     check_combination(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.05",
-                                 "trainer.batch_size=64"], steps=150)
+                                 "trainer.batch_size=64"], steps=120)
 
 
 @pytest.mark.verify

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test verify bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ train: setup
 
 test: setup
 	$(BIN)/pytest $(ARGS)
+
+# The long matrix (README, Testing): 300 differential combinations and the
+# command-line reproducibility and kill/resume checks of every combination.
+verify: setup
+	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_resume_exact.py $(ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)

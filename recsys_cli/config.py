@@ -47,7 +47,7 @@ class ModelConfig:
 
 @dataclass
 class PlacementConfig:
-    # device (alias gpu) | uvm | lookahead | cache | auto
+    # device (alias gpu) | host (alias uvm) | lookahead | cache | auto
     kind: str = "device"
     # Cache size in rows for lookahead/cache; when unset, cache_ratio of all rows.
     cache_rows: Optional[int] = None
@@ -145,7 +145,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-PLACEMENTS = ("device", "gpu", "uvm", "lookahead", "cache", "auto")
+PLACEMENTS = ("device", "gpu", "host", "uvm", "lookahead", "cache", "auto")  # gpu, uvm: old names
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.interaction": ("dot", "cat", "dcn"),

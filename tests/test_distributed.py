@@ -55,8 +55,8 @@ def result(trainer: Trainer) -> dict:
             "distributed": trainer.sync.report() if trainer.sync is not None else None}
 
 
-def train_runs(runs: list[tuple[str, dict]]) -> dict | None:
-    """A worker: train every (name, config) in turn; rank 0 returns the results."""
+def train_runs(runs: list[tuple[str, dict]]) -> dict:
+    """A worker: train every (name, config) in turn; every rank returns its results."""
     ctx = distributed.init(timeout_s=60, device="cpu")
     out = {}
     for name, container in runs:
@@ -65,7 +65,7 @@ def train_runs(runs: list[tuple[str, dict]]) -> dict | None:
         trainer.fit()
         out[name] = result(trainer)
     distributed.teardown()
-    return out if ctx.is_main else None
+    return out
 
 
 class FailingTrainer(Trainer):
@@ -124,9 +124,12 @@ def runs(cache_dir, tmp_path_factory):
         "cache_avg_10": config(cache_dir, **LOOKAHEAD, trainer__embedding_sync="cache_avg", trainer__sync_every=10),
         "half": config(cache_dir, **LOOKAHEAD, trainer__max_steps=STEPS // 2, trainer__checkpoint_dir=str(ckpt)),
         "dcn_schedule": config(cache_dir, **LOOKAHEAD, **DCN_SCHEDULE),
+        "lookahead_int8": config(cache_dir, **{**LOOKAHEAD, "placement__cache_rows": 600}, precision__kind="int8"),
     }
     start = time.perf_counter()
-    out = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])[0]
+    ranks = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])
+    out = ranks[0]
+    out["other_ranks"] = [ranks[r] for r in range(1, NPROC)]
     print(f"\n{NPROC}-process runs: {time.perf_counter() - start:.1f} s")
     out["checkpoint_dir"] = ckpt
     return out
@@ -148,6 +151,17 @@ def test_dcn_and_lr_schedule_follow_one_process_with_the_global_batch(runs, cach
     ref = single(config(cache_dir, **DCN_SCHEDULE))
     assert_same(runs["dcn_schedule"], ref)
     assert runs["dcn_schedule"]["losses"] != runs["lookahead"]["losses"]
+
+
+@pytest.mark.parametrize("name", ["device", "lookahead", "lookahead_int8"])
+def test_ranks_hold_identical_replicas(runs, name):
+    """grad sync: every rank applies the same updates to its own table copy and
+    cache, in every precision: the replicas are bitwise equal, dense weights too."""
+    mine = runs[name]["weights"]
+    for other in runs["other_ranks"]:
+        assert other[name]["losses"] == runs[name]["losses"]
+        for key, value in mine.items():
+            assert torch.equal(other[name]["weights"][key], value), key
 
 
 def test_evaluation_covers_the_whole_split(runs, reference):

@@ -1,35 +1,71 @@
 """CachedGroup: host (or low-precision) tables behind an fp32 device cache.
 
 The cache holds `capacity` fp32 rows (and their optimizer state) in slots on
-the device. Every resident row has exactly one owner, its slot: the store's
-copy is stale until the row is written back, and the store never serves a
-resident row. prepare(plan) makes every row of a batch resident and pins it;
-release(plan) unpins it after the trainer's update. Only unpinned rows are
-evicted, so a row that a batch inside the lookahead window needs stays put,
-and a row's value always reflects every update before it: cached training
-follows the same trajectory as training on the device, bit for bit.
+the device. prepare(plan) makes a batch's rows resident and pins them;
+release(plan) unpins them after the trainer's update.
 
-Victims: free slots first, then unpinned slots by policy (lru: least recently
-pinned; lfu: fewest uses since admission). Eviction runs in chunks of
-`evict_chunk` slots so the O(capacity) victim search is amortised over many
-batches.
+Invariant 1, one owner per row. A row is served (read and updated) either
+by exactly one slot or by the store, never by both: while a row has a slot,
+its store copy is stale and nothing reads or writes it there; a row leaves
+its slot only through a write-back (dirty) or a drop (clean), after which the
+store is its owner again. Admission:
+  * fp32 store: every row a batch needs gets a slot (cDLRM); a lookahead
+    cache shrinks its window to make room, and a batch that cannot fit even
+    alone is CacheTooSmall.
+  * low-precision store (Yang et al.): rows that find no slot are read and
+    updated in the store, dequantized and requantized. An on-demand cache with
+    lfu policy also turns rows away by use count (a miss is admitted only if
+    used at least as often as the victim it would replace). A lookahead cache
+    admits every miss it has room for, except a row that a batch still in its
+    window is served from the store: that row stays in the store until the
+    batch completes, so no later batch can train on a copy of it that the
+    store's update makes stale (the bug of issue 11).
+No row is ever in two slots, and a batch's rows keep their owner from its
+prepare to its release.
 
-Low-precision stores (Yang et al.): with admit_all=False (on-demand cache in
-front of an int8/int4 table) and policy lfu, a missed row is admitted only if
-it has been used at least as often as the victim it would replace; rows not
-admitted are read and updated straight in the store, dequantized and
-requantized with the store's rounding.
+Invariant 2, residency follows from the batches alone. The batch with index
+j (global, counted over the run) is prepared with window w <= `window`: it
+waits until every batch before j - w has been completed by the trainer, and
+the rows of batches j - w .. j - 1 (what they got at prepare, recorded in
+`history`) and its own hits are protected, and so are the store-served rows
+of those batches from admission; every other resident row may be
+evicted, by policy (lru: least recently prepared; lfu: fewest uses), ties
+broken by slot. Whether batch j - w + 1 happens to be done already changes
+nothing, so the slots, evictions, write-backs and their order are a function
+of the batch sequence, never of the prefetch thread's timing. w starts at
+`window` and shrinks only when the unprotected rows cannot make room: the
+window shrinks (window_used) and, at w = 0 with still no room, the cache
+cannot hold one batch: CacheTooSmall, naming the numbers. Write-backs are
+keyed by the step of the batch that evicts (stochastic rounding, quant.py),
+so even their bits are fixed. Distributed cache_avg (train/embedding_sync.py)
+also protects rows touched since the last cross-rank average as of batch
+j - w (`sync_points`), and asks for an early average when only they are left.
+
+Invariant 3, checkpoints do not perturb. cache_snapshot() and table_state()
+read a snapshot (the store, with dirty rows quantized into a copy for the
+file, plus the cache itself) and change nothing: no write-back, no dirty
+bit, no random draw. load_cache_snapshot() restores the cache exactly, so a
+resumed run continues with the same slots and the same fp32 values as the
+uninterrupted one. Checkpoints are taken with no batch in flight (the
+trainer pauses the prefetcher at checkpoint and evaluation steps).
+
+Debug runs (RECSYS_DEBUG=1) check the invariants: victims unpinned and
+unprotected, loaded rows not already resident, rows served by the store
+without a slot, and, after every prepare, that slot and row maps agree.
 
 Concurrency: the lookahead prefetcher calls prepare() on its own thread while
 the trainer gathers, updates and releases; one lock guards the slot maps and
-a condition variable wakes a prefetcher waiting for slots. On CUDA the fill
-copies run on a side stream from pinned host memory; plan.ready is the event
-the trainer waits on, and evictions wait for the trainer's last release.
+a condition variable wakes a prefetcher waiting for completed batches. On
+CUDA the fill copies run on a side stream from pinned host memory; plan.ready
+is the event the trainer waits on, and evictions wait for the trainer's last
+release.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import threading
 import time
 
@@ -38,6 +74,10 @@ import torch
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
+
+DEBUG = os.environ.get("RECSYS_DEBUG", "") not in ("", "0")
+SNAPSHOT_STEP = -3  # rounding key of dirty rows quantized into a checkpoint's copy of a table
+_NO_VICTIM = torch.iinfo(torch.int64).max
 
 
 class CacheTooSmall(UserError):
@@ -61,11 +101,13 @@ class CachedGroup(TableGroup):
         super().__init__(*args, store_tier=store_tier, **kwargs)
         self.kind = "lookahead" if lookahead else "cache"
         self.lookahead = lookahead
-        self.window = window
+        # On-demand caches prepare on the trainer's thread, every earlier batch done.
+        self.window = window if lookahead else 0
         self.policy = policy
         self.admit_all = admit_all
         self.capacity = cache_slots
         self.evict_chunk = evict_chunk or max(1, cache_slots // 32)
+        self.debug = DEBUG
         dev = self.device
         self.cache_rows = torch.zeros(cache_slots, self.dim, device=dev)
         self.cache_state = torch.zeros(cache_slots, self.store.state.shape[1], device=dev)
@@ -79,8 +121,16 @@ class CachedGroup(TableGroup):
         self.num_free = cache_slots
         # LFU admission needs a count for rows that are not resident (LRU
         # admits every miss it has room for).
-        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if not admit_all and policy == "lfu" else None
+        lfu_admission = not admit_all and not lookahead and policy == "lfu"
+        self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if lfu_admission else None
         self.clock = 0
+        self.prepared = 0  # index of the next batch prepare() takes
+        self.completed = 0  # batches the trainer is done with
+        self.completes_on_release = True  # cache_avg: batches complete after the step's cross-rank average
+        # (batch, its slots, the rows the store served it): what later batches protect.
+        self.history: collections.deque[tuple[int, torch.Tensor, torch.Tensor]] = collections.deque()
+        self.sync_points: list[int] | None = None  # cache_avg: steps after which rows were averaged
+        self.last_window = self.window
         self.inflight = 0  # plans pinned and not yet released
         self.cond = threading.Condition()
         self.stop = threading.Event()
@@ -88,11 +138,8 @@ class CachedGroup(TableGroup):
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
         self.side_stream = torch.cuda.Stream(dev) if (dev.type == "cuda" and lookahead) else None
         self.last_release = None
-        # Distributed cache_avg (train/embedding_sync.py): slots that must not be
-        # evicted yet (touched since the last cross-rank average), and a callback
-        # prepare() makes when it cannot evict: True if room will come (a sync
-        # was requested), so it waits instead of failing.
-        self.evict_blocked: torch.Tensor | None = None
+        # Distributed cache_avg: called by prepare (lock held) when only rows
+        # awaiting a cross-rank average could make room; asks for one.
         self.on_starved = None
 
     # --- filling -------------------------------------------------------------
@@ -106,88 +153,155 @@ class CachedGroup(TableGroup):
                 f"or lower trainer.batch_size"
             )
         with self.cond:
+            index = self.prepared
+            self._wait_completed(index - self.window)  # the prefetcher runs at most `window` batches ahead
             slots = self.slot_of_row[unique].to(torch.int64)
             hit = slots >= 0
-            self.pins[slots[hit]] += 1  # hits first, so this batch's fill cannot evict them
             misses = unique[~hit]
             if self.row_uses is not None:
                 self.row_uses[unique] += 1
-                admitted = self._admit(misses)
+            need = misses.numel()
+            evictable = None
+            if not self.admit_all:  # low precision: rows without a slot are served by the store
+                self.last_window = self.window
+                admitted = torch.zeros(need, dtype=torch.bool)
+                candidates = torch.nonzero(~torch.isin(misses, self._locked(index, self.window))).flatten()
+                chosen = torch.ones(candidates.numel(), dtype=torch.bool)
+                if candidates.numel() > self.num_free:  # not room for all in free slots: evict or turn away
+                    evictable = self._evictable(index, slots[hit], self.window)
+                    if self.row_uses is not None:
+                        chosen = self._admit(misses[candidates], evictable)
+                    room = self.num_free + int(evictable.sum())
+                    chosen[torch.nonzero(chosen).flatten()[room:]] = False  # beyond the room: the store this step
+                admitted[candidates[chosen]] = True
+                need = int(chosen.sum())
             else:
-                admitted = torch.ones(misses.numel(), dtype=torch.bool)
-            need = int(admitted.sum())
-            if not self.admit_all:
-                # Rows that find no slot now stay in the store this step.
-                room = self.num_free + int(((self.pins == 0) & (self.row_of_slot >= 0)).sum())
-                if need > room:
-                    admitted[torch.nonzero(admitted).flatten()[room:]] = False
-                    need = room
-            while self.num_free < need:
-                if not self._evict(need - self.num_free):
-                    waiting = self.on_starved is not None and self.on_starved()
-                    if self.inflight == 0 and not waiting:
-                        raise CacheTooSmall(
-                            f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique "
-                            "rows: raise placement.cache_rows / cache_ratio or lower trainer.batch_size"
-                        )
-                    if self.stop.is_set():
-                        self.pins[slots[hit]] -= 1
-                        raise PrefetchStopped()
-                    self.cond.wait(timeout=0.1)
+                admitted = torch.ones(need, dtype=torch.bool)
+                self.last_window = self.window
+                if need > self.num_free:
+                    self.last_window, evictable = self._make_room(index, slots[hit], need - self.num_free, unique)
+            if need > self.num_free:
+                self._evict(need - self.num_free, evictable, index)
             self.num_free -= need
             new_slots = self.free_slots[self.num_free : self.num_free + need].clone()
-            load_rows = misses[admitted]
-            self._load(load_rows, new_slots)
+            self._load(misses[admitted], new_slots)
             miss_slots = torch.full((misses.numel(),), -1, dtype=torch.int64)
             miss_slots[admitted] = new_slots
             slots[~hit] = miss_slots
             resident = slots >= 0
-            self.pins[new_slots] += 1
+            self.pins[slots[resident]] += 1
             self.clock += 1
             if self.policy == "lru":
                 self.score[slots[resident]] = self.clock
             else:
                 self.score[slots[resident]] += 1
             self.inflight += 1
+            self.prepared += 1
+            self.history.append((index, slots[resident], unique[~resident]))
+            self._prune_history(index + 1 - self.window)
             n_hit = int(hit.sum())
             self.stats_["hits"] += n_hit
             self.stats_["misses"] += unique.numel() - n_hit
             self.stats_["not_admitted"] += misses.numel() - need
+            if self.debug:
+                self.check_ownership()
         plan.slots = slots
+        plan.extras["batch_index"] = index
         plan.extras["slots_device"] = slots.to(self.device, non_blocking=True)
         if self.side_stream is not None:
             plan.ready = torch.cuda.Event()
             plan.ready.record(self.side_stream)
         self.stats_["prepare_seconds"] += time.perf_counter() - start
 
-    def _admit(self, misses: torch.Tensor) -> torch.Tensor:
+    def _wait_completed(self, count: int) -> None:
+        """Wait (lock held) until the trainer has completed `count` batches."""
+        while self.completed < count:
+            if self.stop.is_set():
+                raise PrefetchStopped()
+            self.cond.wait(timeout=0.1)
+
+    def _first_unsafe(self, position: int) -> int:
+        """The first batch whose rows may not be evicted yet once the trainer
+        has completed `position` batches: `position` itself, or with
+        cache_avg the last cross-rank average at or before it."""
+        if self.sync_points is None:
+            return position
+        return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
+
+    def _evictable(self, index: int, hits: torch.Tensor, window: int) -> torch.Tensor:
+        """Resident slots that batch `index`, prepared with `window`, may
+        evict: all but those of the protected batches and its own hits."""
+        first = self._first_unsafe(index - window)
+        protected = torch.zeros(self.capacity, dtype=torch.bool)
+        protected[hits] = True
+        for batch, slots, _ in self.history:
+            if batch >= first:
+                protected[slots] = True
+        return (self.row_of_slot >= 0) & ~protected
+
+    def _locked(self, index: int, window: int) -> torch.Tensor:
+        """Rows batch `index` must not admit: the store serves them to a protected batch."""
+        first = self._first_unsafe(index - window)
+        locked = [rows for batch, _, rows in self.history if batch >= first]
+        return torch.cat(locked) if locked else torch.zeros(0, dtype=torch.int64)
+
+    def _make_room(self, index: int, hits: torch.Tensor, extra: int, unique: torch.Tensor):
+        """(window, evictable slots) for batch `index` that needs `extra` slots
+        beyond the free ones: the widest window whose unprotected rows suffice."""
+        for window in range(self.window, -1, -1):
+            self._wait_completed(index - window)
+            evictable = self._evictable(index, hits, window)
+            if int(evictable.sum()) >= extra:
+                return window, evictable
+        while self.on_starved is not None and self._first_unsafe(index) < index:
+            # Only rows awaiting a cross-rank average are left: ask for one now
+            # (the trainer has completed every earlier batch) and wait for it.
+            self.on_starved()
+            while self._first_unsafe(index) < index:
+                if self.stop.is_set():
+                    raise PrefetchStopped()
+                self.cond.wait(timeout=0.1)
+            evictable = self._evictable(index, hits, 0)
+            if int(evictable.sum()) >= extra:
+                return 0, evictable
+        raise CacheTooSmall(
+            f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique rows: raise "
+            "placement.cache_rows / cache_ratio or lower trainer.batch_size"
+        )
+
+    def _prune_history(self, next_position: int) -> None:
+        """Forget batches no later prepare can protect."""
+        first = self._first_unsafe(next_position)
+        while self.history and self.history[0][0] < first:
+            self.history.popleft()
+        if self.sync_points is not None:
+            keep = [p for p in self.sync_points if p >= first]
+            self.sync_points = keep if keep else self.sync_points[-1:]
+
+    def _admit(self, misses: torch.Tensor, evictable: torch.Tensor) -> torch.Tensor:
         """LFU admission for rows that may stay in low precision: free slots
         go to the most used misses; beyond them a miss must be used at least
         as often as the least used evictable row."""
         if self.num_free >= misses.numel():
             return torch.ones(misses.numel(), dtype=torch.bool)
         uses = self.row_uses[misses]
-        candidates = (self.pins == 0) & (self.row_of_slot >= 0)
-        if bool(candidates.any()):
-            admitted = uses >= self.row_uses[self.row_of_slot[candidates]].min()
+        if bool(evictable.any()):
+            admitted = uses >= self.row_uses[self.row_of_slot[evictable]].min()
         else:
             admitted = torch.zeros(misses.numel(), dtype=torch.bool)
         admitted[torch.argsort(uses, descending=True, stable=True)[: self.num_free]] = True
         return admitted
 
-    def _evict(self, at_least: int) -> bool:
-        """Free at least `at_least` slots (a chunk, to amortise the search).
-        False if fewer unpinned slots exist."""
-        candidates = (self.pins == 0) & (self.row_of_slot >= 0)
-        if self.evict_blocked is not None:
-            candidates &= ~self.evict_blocked
-        available = int(candidates.sum())
-        if available < at_least:
-            return False
+    def _evict(self, at_least: int, evictable: torch.Tensor, step: int) -> None:
+        """Free at least `at_least` of the `evictable` slots (a chunk, to
+        amortise the search), by policy, ties broken by slot."""
+        available = int(evictable.sum())
         count = min(available, max(at_least, self.evict_chunk))
-        key = torch.where(candidates, self.score, torch.iinfo(torch.int64).max)
-        victims = torch.topk(key, count, largest=False, sorted=False).indices
-        self._write_back(victims[self.dirty[victims]])
+        key = torch.where(evictable, self.score * self.capacity + torch.arange(self.capacity), _NO_VICTIM)
+        victims = torch.sort(torch.topk(key, count, largest=False, sorted=False).indices).values
+        if self.debug:
+            assert bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
+        self._write_back(victims[self.dirty[victims]], step)
         rows = self.row_of_slot[victims]
         self.slot_of_row[rows] = -1
         self.row_of_slot[victims] = -1
@@ -195,12 +309,11 @@ class CachedGroup(TableGroup):
         self.free_slots[self.num_free : self.num_free + count] = victims
         self.num_free += count
         self.stats_["rows_evicted"] += count
-        return True
 
     def _stream(self):
         return torch.cuda.stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
 
-    def _write_back(self, slots: torch.Tensor) -> None:
+    def _write_back(self, slots: torch.Tensor, step: int) -> None:
         if slots.numel() == 0:
             return
         with self._stream():
@@ -211,7 +324,8 @@ class CachedGroup(TableGroup):
             state = self.cache_state.index_select(0, dev_slots).to(rows.device)
             if self.side_stream is not None:
                 self.side_stream.synchronize()
-        self.store.write(self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device), state.to(self.store.device))
+        self.store.write(self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device),
+                         state.to(self.store.device), step)
         self.dirty[slots] = False
         self.stats_["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
@@ -220,6 +334,8 @@ class CachedGroup(TableGroup):
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if rows.numel() == 0:
             return
+        if self.debug:
+            assert bool((self.slot_of_row[rows] < 0).all()), "loading a row that already has a slot"
         values, state = self.store.read(rows.to(self.store.device))
         with self._stream():
             if self.side_stream is not None and self.last_release is not None:
@@ -271,12 +387,15 @@ class CachedGroup(TableGroup):
         state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
         state[mask_dev] = self.cache_state.index_select(0, cached)
         direct = plan.unique[~mask].to(self.store.device)
+        if self.debug:
+            assert bool((self.slot_of_row[direct.cpu()] < 0).all()), "a row served by the store has a slot"
         state[~mask_dev] = self.store.state.index_select(0, direct).to(self.device)
         rows, state = self.optimizer.step(rows, state, grad)
         self.cache_rows.index_copy_(0, cached, rows[mask_dev])
         self.cache_state.index_copy_(0, cached, state[mask_dev])
         self.dirty[plan.slots[mask]] = True
-        self.store.write(direct, rows[~mask_dev].to(self.store.device), state[~mask_dev].to(self.store.device))
+        self.store.write(direct, rows[~mask_dev].to(self.store.device), state[~mask_dev].to(self.store.device),
+                         plan.extras["batch_index"])
 
     def release(self, plan: LookupPlan) -> None:
         if plan.slots is None:
@@ -288,8 +407,17 @@ class CachedGroup(TableGroup):
             resident = plan.slots[plan.slots >= 0]
             self.pins[resident] -= 1
             self.inflight -= 1
+            if self.completes_on_release:
+                self.completed += 1
             self.cond.notify_all()
         plan.slots = None
+
+    def complete(self, count: int) -> None:
+        """cache_avg: the trainer has completed `count` batches, cross-rank average included."""
+        with self.cond:
+            self.completed = count
+            self._prune_history(count + 1 - self.window)  # also on ranks that never prepare
+            self.cond.notify_all()
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         with self.cond:
@@ -301,11 +429,94 @@ class CachedGroup(TableGroup):
             return rows
 
     # --- whole tables ------------------------------------------------------------
-    def flush(self) -> None:
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The store's tables with every dirty resident row quantized into the
+        copy (a snapshot: the live cache, store and dirty bits do not change)."""
         with self.cond:
-            self._write_back(torch.nonzero(self.dirty).flatten())
+            return super().table_state()
+
+    def _snapshot_rows(self, lo: int, hi: int, tensors: dict[str, torch.Tensor]) -> None:
+        slots = torch.nonzero(self.dirty).flatten()
+        rows = self.row_of_slot[slots]
+        inside = (rows >= lo) & (rows < hi)
+        slots, rows = slots[inside], rows[inside]
+        if rows.numel() == 0:
+            return
+        dev_slots = slots.to(self.device)
+        values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
+        encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
+        local = rows - lo
+        for name in [*encoded, "state"]:
+            tensors[name] = tensors[name].clone()  # a view of the live store must not change
+        for name, t in encoded.items():
+            tensors[name][local] = t.cpu()
+        tensors["state"][local] = self.cache_state.index_select(0, dev_slots).cpu()
+
+    def cache_snapshot(self) -> dict:
+        """Everything that makes the cache what it is, for a checkpoint: with
+        table_state(), load_cache_snapshot() restores exactly this cache and store."""
+        with self.cond:
+            if self.inflight:
+                raise RuntimeError("a cache snapshot needs every prepared batch released")
+            dirty_rows = self.row_of_slot[self.dirty]
+            ids = dirty_rows.to(self.store.device)
+            return {
+                "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
+                "tables": [(t.name, t.num_rows) for t in self.tables],
+                # The store's own (stale) copy of dirty rows: the table snapshot holds their cached values.
+                "store_dirty": {k: v.index_select(0, ids).cpu() for k, v in self.store.rows.tensors().items()},
+                "store_dirty_state": self.store.state.index_select(0, ids).cpu(),
+                "cache_rows": self.cache_rows.cpu().clone(), "cache_state": self.cache_state.cpu().clone(),
+                "row_of_slot": self.row_of_slot.clone(), "dirty": self.dirty.clone(), "score": self.score.clone(),
+                "free_slots": self.free_slots.clone(), "num_free": self.num_free, "clock": self.clock,
+                "prepared": self.prepared, "completed": self.completed,
+                "history": [(b, slots.clone(), rows.clone()) for b, slots, rows in self.history],
+                "sync_points": None if self.sync_points is None else list(self.sync_points),
+                "row_uses": None if self.row_uses is None else self.row_uses.clone(),
+                "stats": dict(self.stats_),
+            }
+
+    def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
+        """Restore what cache_snapshot() saved (after load_table_state). False
+        when it came from another cache (other size, kind or tables): then the
+        cache starts empty at batch `step`."""
+        same = saved is not None and all(saved.get(k) == v for k, v in (
+            ("kind", self.kind), ("capacity", self.capacity), ("precision", self.store.precision),
+            ("tables", [(t.name, t.num_rows) for t in self.tables])))
+        with self.cond:
+            self.invalidate()
+            self.prepared = self.completed = step
+            if self.sync_points is not None:
+                self.sync_points = [step]
+            if not same:
+                return False
+            dirty_rows = saved["row_of_slot"][saved["dirty"]].to(self.store.device)
+            for k, v in self.store.rows.tensors().items():
+                v.index_copy_(0, dirty_rows, saved["store_dirty"][k].to(v.device))
+            if self.store.state.numel():
+                self.store.state.index_copy_(0, dirty_rows, saved["store_dirty_state"].to(self.store.device))
+            self.cache_rows.copy_(saved["cache_rows"])
+            self.cache_state.copy_(saved["cache_state"])
+            self.row_of_slot.copy_(saved["row_of_slot"])
+            resident = torch.nonzero(self.row_of_slot >= 0).flatten()
+            self.slot_of_row[self.row_of_slot[resident]] = resident.to(torch.int32)
+            self.dirty.copy_(saved["dirty"])
+            self.score.copy_(saved["score"])
+            self.free_slots.copy_(saved["free_slots"])
+            self.num_free, self.clock = saved["num_free"], saved["clock"]
+            self.prepared, self.completed = saved["prepared"], saved["completed"]
+            self.history = collections.deque((b, s.clone(), r.clone()) for b, s, r in saved["history"])
+            if saved["sync_points"] is not None:  # before cache_avg's EmbeddingSync exists
+                self.sync_points = list(saved["sync_points"])
+            if self.row_uses is not None and saved["row_uses"] is not None:
+                self.row_uses.copy_(saved["row_uses"])
+            self.stats_.update(saved["stats"])
+            if self.debug:
+                self.check_ownership()
+            return True
 
     def invalidate(self) -> None:
+        """Forget every cached row (the store was overwritten)."""
         with self.cond:
             if self.inflight:
                 raise RuntimeError("cannot reload tables while batches are in flight")
@@ -315,6 +526,22 @@ class CachedGroup(TableGroup):
             self.score.zero_()
             self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64)
             self.num_free = self.capacity
+            self.clock = 0
+            self.history.clear()
+            if self.sync_points is not None:
+                self.sync_points = [self.completed]
+
+    def check_ownership(self) -> None:
+        """Invariant 1 over the whole cache (debug runs, tests): the slot and
+        row maps are inverse, no row has two slots, free slots hold no row."""
+        with self.cond:
+            resident = torch.nonzero(self.row_of_slot >= 0).flatten()
+            rows = self.row_of_slot[resident]
+            assert torch.equal(self.slot_of_row[rows].to(torch.int64), resident), "slot and row maps disagree"
+            assert int((self.slot_of_row >= 0).sum()) == resident.numel(), "a row maps to a slot that does not hold it"
+            free = self.free_slots[: self.num_free]
+            assert bool((self.row_of_slot[free] < 0).all()), "a free slot holds a row"
+            assert free.numel() + resident.numel() == self.capacity, "slots lost"
 
     def memory(self) -> list[tuple[str, str, int]]:
         cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4

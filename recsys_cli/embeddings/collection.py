@@ -164,10 +164,6 @@ class EmbeddingCollection(nn.Module):
             group.release(plan)
 
     # --- whole tables --------------------------------------------------------
-    def flush(self) -> None:
-        for g in self.groups:
-            g.flush()
-
     def table_state(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for g in self.groups:
@@ -177,6 +173,17 @@ class EmbeddingCollection(nn.Module):
     def load_table_state(self, tables: dict[str, dict]) -> None:
         for g in self.groups:
             g.load_table_state(tables)
+
+    def cache_snapshot(self) -> list[dict | None]:
+        """Per group, what resumes its cache exactly (None for uncached groups)."""
+        return [g.cache_snapshot() for g in self.groups]
+
+    def load_cache_snapshot(self, saved: list | None, step: int) -> None:
+        """After load_table_state: restore caches saved by the same placement;
+        others start empty at batch `step`."""
+        saved = saved if saved is not None and len(saved) == len(self.groups) else [None] * len(self.groups)
+        for g, s in zip(self.groups, saved):
+            g.load_cache_snapshot(s, step)
 
     def memory(self) -> dict[str, int]:
         """Bytes allocated by tier (device, host) and by what they hold:

@@ -6,6 +6,18 @@ size rule, then per-table overrides); tables that share (placement,
 precision) are fused into one group. A low-precision table always sits
 behind an fp32 cache: with `lookahead` that is the lookahead cache, with any
 other placement an on-demand cache of precision.cache_ratio of its rows.
+
+Placements: `device` (alias `gpu`) keeps the store in device memory; `host`
+keeps it in host memory (pinned on CUDA) and gathers the batch's rows there
+and copies them to the device every step, writing their updates back: a
+host gather, not CUDA unified memory (`uvm` is accepted as its old name);
+`lookahead` and `cache` put host tables behind an fp32 device cache.
+
+Admission (one owner per row, see cache.py): an fp32 table's cache admits
+every row a batch needs; a low-precision table's cache admits what it has
+room for and the store serves the rest, with lfu admission by use count in
+an on-demand cache only, and a lookahead cache never admitting a row that a
+batch in its window is served from the store.
 """
 
 from __future__ import annotations
@@ -23,8 +35,16 @@ from recsys_cli.errors import UserError
 DEFAULT_CACHE_RATIO = {"fp16": 0.05, "int8": 0.05, "int4": 0.01}
 
 
+ALIASES = {"gpu": "device", "uvm": "host"}
+
+
+def canonical(kind: str) -> str:
+    """A placement's name, with old names and aliases mapped (gpu, uvm)."""
+    return ALIASES.get(kind, kind)
+
+
 def table_placements(tables: list[TableSpec], placement) -> dict[str, str]:
-    kind = "device" if placement.kind == "gpu" else placement.kind
+    kind = canonical(placement.kind)
     out = {}
     for t in tables:
         p = kind
@@ -34,7 +54,7 @@ def table_placements(tables: list[TableSpec], placement) -> dict[str, str]:
     for name, p in placement.overrides.items():
         if name not in out:
             raise UserError(f"placement.overrides names table {name!r}; tables are {', '.join(out)}")
-        out[name] = "device" if p == "gpu" else p
+        out[name] = canonical(p)
     return out
 
 
@@ -55,22 +75,24 @@ def build_embeddings(
     for t in tables:
         groups.setdefault((placements[t.name], precisions[t.name]), []).append(t)
     built = []
-    for index, ((kind, table_precision), specs) in enumerate(groups.items()):
+    for (kind, table_precision), specs in groups.items():
         weights = torch.cat([init_table(t, seed) for t in specs])
+        table_rows = [(features.index(t.name), t.num_rows) for t in specs]  # rounding keys: the table, not its group
         group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
-                           seed + index, cache_rows)
+                           seed, cache_rows, table_rows)
         built.append(([t.name for t in specs], group))
     return EmbeddingCollection(features, built, dim)
 
 
-def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None):
+def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None,
+               table_rows=None):
     names = [t.name for t in specs]
-    host = kind in ("uvm", "lookahead", "cache")
+    kind = canonical(kind)
+    host = kind in ("host", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
-    generator = torch.Generator(device=store_device).manual_seed(seed)
     store = RowStore(
         weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device),
-        table_precision, precision.rounding, generator,
+        table_precision, precision.rounding, seed, table_rows,
     )
     if host and device.type == "cuda":
         store.pin_memory()

@@ -61,11 +61,9 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 # Host bytes of a cache's index (CachedGroup): per table row, slot_of_row
-# (int32) and, for low-precision tables with LFU admission, row_uses (int32);
-# per slot, row_of_slot (int64), pins (int32), dirty (bool), score (int64),
+# (int32) (a lookahead cache has no LFU admission, so no row_uses); per slot, row_of_slot (int64), pins (int32), dirty (bool), score (int64),
 # free_slots (int64).
 INDEX_BYTES_PER_ROW = 4
-USE_COUNT_BYTES_PER_ROW = 4
 INDEX_BYTES_PER_SLOT = 8 + 4 + 1 + 8 + 8
 
 
@@ -265,8 +263,6 @@ def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state
     if placement == "device":
         return {"device": t.num_rows * device_row_bytes(t.dim, state), "host": 0}
     index = t.num_rows * INDEX_BYTES_PER_ROW + cache * INDEX_BYTES_PER_SLOT
-    if precision != "fp32" and policy == "lfu":
-        index += t.num_rows * USE_COUNT_BYTES_PER_ROW
     return {
         "device": cache * device_row_bytes(t.dim, state),
         "host": t.num_rows * host_row_bytes(t.dim, precision, state) + index,
@@ -296,7 +292,8 @@ def plan_placement(
     reads: per table, how many reads the sample had (AccessProfile.reads);
     when not given every table counts as read equally often (one-hot
     features, as in Criteo). policy: the cache's victim policy
-    (placement.policy); it only changes the host bytes of the cache's index.
+    (placement.policy); the bytes do not depend on it (LFU admission, and its
+    per-row use counts, belong to the on-demand cache only).
     Raises UserError when even the minimum caches do not fit."""
     if precision not in PRECISIONS:
         raise UserError(f"precision.kind={precision!r} is not one of {', '.join(PRECISIONS)}")

@@ -2,12 +2,18 @@
 
 It takes planned batches from the loader and, for every lookahead group,
 makes the batch's rows resident and pinned (CachedGroup.prepare), at most
-`window` batches ahead of the one the trainer is on. The trainer releases a
-batch's pins after its update, which lets later batches evict those rows.
-When the cache cannot hold the rows of the whole window, prepare() waits for
-releases: the window shrinks, and `window_used` records how far ahead the
-prefetcher really was at each step. An exception on the thread is raised in
-the trainer; leaving early releases what was prefetched but never trained on.
+`window` batches ahead of the one the trainer is on: prepare() itself waits
+for the trainer, and decides what to evict from the batches alone, so the
+run does not depend on how far ahead the thread got (cache.py, invariant 2).
+When the cache cannot hold the rows of the whole window, the window shrinks
+for that batch, and `window_used` records the window each batch was prepared
+with. The trainer releases a batch's pins after its update.
+
+Pauses: before the batch of a step listed by `pause_at` (evaluation and
+checkpoint steps), the thread waits until the trainer has passed that step
+(`passed`), so an evaluation reads, and a checkpoint saves, a cache with no
+batch of a later step in it. An exception on the thread is raised in the
+trainer; leaving early releases what was prefetched but never trained on.
 """
 
 from __future__ import annotations
@@ -31,18 +37,24 @@ class Prefetcher:
     thread_name = "recsys-prefetch"
 
     def __init__(
-        self, batches: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release: Callable[[Batch], None]
+        self, batches: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release: Callable[[Batch], None],
+        start: int = 0, pause_at: Callable[[int], bool] | None = None,
     ) -> None:
-        """groups: (index of the group's plan in Batch.extras[PLANS], group)."""
+        """groups: (index of the group's plan in Batch.extras[PLANS], group);
+        start: the step of the first batch; pause_at(step): wait for passed(step)
+        before preparing that step's batch."""
         self.source = batches
         self.indexed_groups = groups
         self.groups = [g for _, g in groups]
         self.release = release
         self.window = min((g.window for g in self.groups), default=0)
         self.window_used: list[int] = []
-        self.lead = True  # takes window slots; a follower replays another process's fills
+        self.lead = True  # decides residency; a follower replays another process's fills
+        self.pause_at = pause_at
+        self._step = start  # step of the next batch to prepare
+        self._passed = start
+        self._passed_cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(self.window) if groups else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,6 +63,12 @@ class Prefetcher:
             self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
         return self
+
+    def passed(self, step: int) -> None:
+        """The trainer has finished everything it does at `step` (evaluation, checkpoint)."""
+        with self._passed_cond:
+            self._passed = step
+            self._passed_cond.notify_all()
 
     def _prepare(self, group: CachedGroup, plan) -> None:
         group.prepare(plan)
@@ -62,14 +80,21 @@ class Prefetcher:
         """Handle a non-batch item on the trainer's thread; True if it was one."""
         return False
 
+    def _wait_pause(self, step: int) -> bool:
+        """False if stopped while waiting for the trainer to pass `step`."""
+        if self.pause_at is None or not self.lead or not self.pause_at(step):
+            return True
+        with self._passed_cond:
+            while self._passed < step:
+                if self._stop.is_set():
+                    return False
+                self._passed_cond.wait(timeout=0.1)
+        return True
+
     def _run(self) -> None:
         try:
             for batch in self.source:
-                if self.lead:
-                    while not self._slots.acquire(timeout=0.1):
-                        if self._stop.is_set():
-                            return
-                if self._stop.is_set():
+                if self._stop.is_set() or not self._wait_pause(self._step):
                     return
                 plans = batch.extras[PLANS]
                 prepared = []
@@ -81,6 +106,8 @@ class Prefetcher:
                     for group, plan in prepared:
                         group.release(plan)
                     raise
+                self.window_used.append(min(g.last_window for g in self.groups))
+                self._step += 1
                 self._queue.put(batch)
             self._finish()
             self._queue.put(_DONE)
@@ -101,10 +128,6 @@ class Prefetcher:
                 raise item
             if self._marker(item):
                 continue
-            # Batches pinned right now, this one included: the window in use.
-            self.window_used.append(min(g.inflight for g in self.groups))
-            if self.lead:
-                self._slots.release()
             yield item
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -129,6 +152,20 @@ class Prefetcher:
             if isinstance(item, Batch):
                 self.release(item)
         _close(self.source)
+
+
+def take(iterable, count: int) -> Iterator:
+    """The first `count` items of `iterable`, closing its iterator when done
+    (a loader's reader thread stops with it)."""
+    it = iter(iterable)
+    try:
+        for _ in range(count):
+            item = next(it, _DONE)
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        _close(it)
 
 
 def _close(it) -> None:

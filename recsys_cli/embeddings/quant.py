@@ -13,17 +13,66 @@ Stochastic rounding rounds x up with probability equal to its fractional
 part, so the stored value is unbiased: E[dequantize(quantize(x))] = x. That
 is what lets small SGD updates survive in low precision; nearest rounding
 drops every update smaller than half a step.
+
+The noise is counter-based, not drawn from a sequential generator: the value
+added to column c of row r of table t when it is written at step s is a hash
+of (seed, t, r, s, c). So the bits a row gets do not depend on the order in
+which rows are written back (a prefetch thread's timing), on which rows share
+a write, or on how tables are fused into groups, and a checkpoint needs no
+generator state: the step and the seed are enough.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from recsys_cli.embeddings.counter import MASK32, fmix32
 
-def _round(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+# Steps used as keys by writes that are not a training step's.
+INIT_STEP = -1  # the table's first quantization
+CONVERT_STEP = -2  # a checkpoint loaded into another precision
+
+
+def counter_hash(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.Tensor | int, width: int) -> torch.Tensor:
+    """int64 [n, width] of 32-bit hashes of (seed, table[i], row[i], step[i], column).
+
+    table, row: int64 [n]; step: int64 [n] or one int. A pure function of its
+    arguments, computed with elementwise integer ops (the same bits on CPU and CUDA)."""
+    device = row.device
+    step = torch.as_tensor(step, dtype=torch.int64, device=device).expand(row.shape)
+    h = torch.full(row.shape, seed & MASK32, dtype=torch.int64, device=device)
+    for word in (table & MASK32, row & MASK32, row >> 32, step & MASK32):
+        h = fmix32(h ^ word ^ 0x9E3779B9)  # the constant keeps all-zero keys off fmix32's fixed point 0
+    h = h.unsqueeze(1) ^ torch.arange(width, dtype=torch.int64, device=device)
+    return fmix32(fmix32(h))
+
+
+def uniform_noise(hashes: torch.Tensor) -> torch.Tensor:
+    """fp32 in [0, 1) from 32-bit hashes: their top 24 bits, exactly."""
+    return (hashes >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+@dataclass(frozen=True)
+class RoundingKey:
+    """What the rounding noise of a write is keyed by: the store's seed, each
+    row's table and row within its table, and the step of the write."""
+
+    seed: int
+    table: torch.Tensor  # int64 [n]
+    row: torch.Tensor  # int64 [n]
+    step: torch.Tensor | int
+
+    def hashes(self, width: int) -> torch.Tensor:
+        return counter_hash(self.seed, self.table, self.row, self.step, width)
+
+
+def _round(x: torch.Tensor, rounding: str, noise: torch.Tensor | None) -> torch.Tensor:
     if rounding == "nearest":
         return torch.round(x)
-    noise = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    if noise is None:  # one-off use (no training run's key): torch's global generator
+        noise = torch.rand(x.shape, device=x.device, dtype=x.dtype)
     return torch.floor(x + noise)
 
 
@@ -42,9 +91,13 @@ def _fp16_up(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(
-    rows: torch.Tensor, bits: int, rounding: str = "stochastic", generator: torch.Generator | None = None
+    rows: torch.Tensor, bits: int, rounding: str = "stochastic", noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [n, D] -> (codes uint8 [n, D] or [n, D/2] packed for 4 bits, scale_bias fp16 [n, 2])."""
+    """fp32 [n, D] -> (codes uint8 [n, D] or [n, D/2] packed for 4 bits, scale_bias fp16 [n, 2]).
+
+    noise: uniform [0, 1) of rows' shape for stochastic rounding (see
+    RoundingKey); every row is quantized on its own, so quantizing rows one at
+    a time or all together gives the same bits."""
     levels = (1 << bits) - 1
     lo = rows.amin(dim=1, keepdim=True)
     hi = rows.amax(dim=1, keepdim=True)
@@ -64,7 +117,7 @@ def quantize_rows(
     scale_f = scale.float()
     # A constant row has scale 0: every code is 0 and the bias holds the value.
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = _round((rows - bias.float()) / safe, rounding, generator).clamp_(0, levels)
+    codes = _round((rows - bias.float()) / safe, rounding, noise).clamp_(0, levels)
     codes = torch.where(scale_f > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -78,26 +131,36 @@ def dequantize_rows(codes: torch.Tensor, scale_bias: torch.Tensor, bits: int) ->
     return codes.float() * sb[:, :1] + sb[:, 1:]
 
 
-def round_to_fp16(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def round_to_fp16(x: torch.Tensor, rounding: str, hashes: torch.Tensor | None = None) -> torch.Tensor:
+    """hashes: int64 of x's shape (RoundingKey.hashes) for stochastic rounding."""
     if rounding == "nearest":
         return x.half()
     # fp16 keeps 10 of fp32's 23 mantissa bits: add uniform noise to the 13
     # dropped bits, then truncate (toward zero, exact on the magnitude).
     bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 13, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    if hashes is None:  # one-off use: torch's global generator
+        noise = torch.randint(0, 1 << 13, x.shape, device=x.device, dtype=torch.int32)
+    else:
+        noise = (hashes & 0x1FFF).to(torch.int32)
     truncated = ((bits + noise) & ~0x1FFF).view(torch.float32)
     return torch.where(torch.isfinite(x), truncated, x).half()
 
 
 class QuantizedRows:
-    """Rows of one precision; read returns fp32, write takes fp32."""
+    """Rows of one precision; read returns fp32, write takes fp32 and the
+    RoundingKey of the write (None: one-off use, torch's global generator)."""
 
     precision: str
+    rounding: str = "nearest"
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, key: RoundingKey | None = None) -> None:
+        raise NotImplementedError
+
+    def encode(self, rows: torch.Tensor, key: RoundingKey | None = None) -> dict[str, torch.Tensor]:
+        """rows in this precision's native tensors, without storing them (snapshots)."""
         raise NotImplementedError
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -111,17 +174,24 @@ class QuantizedRows:
         for name, t in self.tensors().items():
             setattr(self, name, t.pin_memory())
 
+    def _store(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor]) -> None:
+        for name, t in self.tensors().items():
+            t.index_copy_(0, ids, encoded[name])
+
 
 class FP32Rows(QuantizedRows):
     precision = "fp32"
 
-    def __init__(self, weights: torch.Tensor) -> None:
-        self.weights = weights
+    def __init__(self, num_rows: int, dim: int, device: torch.device | str = "cpu") -> None:
+        self.weights = torch.empty(num_rows, dim, device=device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.index_select(0, ids)
 
-    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def encode(self, rows: torch.Tensor, key: RoundingKey | None = None) -> dict[str, torch.Tensor]:
+        return {"weights": rows}
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, key: RoundingKey | None = None) -> None:
         self.weights.index_copy_(0, ids, rows)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -131,57 +201,65 @@ class FP32Rows(QuantizedRows):
 class FP16Rows(QuantizedRows):
     precision = "fp16"
 
-    def __init__(self, weights: torch.Tensor, rounding: str, generator: torch.Generator | None) -> None:
-        self.rounding, self.generator = rounding, generator
-        self.weights = round_to_fp16(weights, rounding, generator)
+    def __init__(self, num_rows: int, dim: int, rounding: str, device: torch.device | str = "cpu") -> None:
+        self.rounding = rounding
+        self.weights = torch.empty(num_rows, dim, dtype=torch.float16, device=device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.index_select(0, ids).float()
 
-    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.weights.index_copy_(0, ids, round_to_fp16(rows, self.rounding, self.generator))
+    def encode(self, rows: torch.Tensor, key: RoundingKey | None = None) -> dict[str, torch.Tensor]:
+        hashes = key.hashes(rows.shape[1]) if key is not None and self.rounding == "stochastic" else None
+        return {"weights": round_to_fp16(rows, self.rounding, hashes)}
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, key: RoundingKey | None = None) -> None:
+        self._store(ids, self.encode(rows, key))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"weights": self.weights}
 
 
 class IntRows(QuantizedRows):
-    def __init__(self, weights: torch.Tensor, bits: int, rounding: str, generator: torch.Generator | None) -> None:
-        if bits == 4 and weights.shape[1] % 2:
-            raise ValueError(f"int4 rows need an even embedding dim, got {weights.shape[1]}")
-        self.bits, self.rounding, self.generator = bits, rounding, generator
+    def __init__(self, num_rows: int, dim: int, bits: int, rounding: str, device: torch.device | str = "cpu") -> None:
+        if bits == 4 and dim % 2:
+            raise ValueError(f"int4 rows need an even embedding dim, got {dim}")
+        self.bits, self.rounding = bits, rounding
         self.precision = f"int{bits}"
-        # Quantize in chunks: a full-size fp32 temporary of a huge table is
-        # exactly the memory this precision exists to save.
-        n, dim = weights.shape
         width = dim // 2 if bits == 4 else dim
-        self.codes = torch.empty((n, width), dtype=torch.uint8, device=weights.device)
-        self.scale_bias = torch.empty((n, 2), dtype=torch.float16, device=weights.device)
-        for start in range(0, n, 1 << 18):
-            end = min(n, start + (1 << 18))
-            self.codes[start:end], self.scale_bias[start:end] = quantize_rows(
-                weights[start:end], bits, rounding, generator
-            )
+        self.codes = torch.empty((num_rows, width), dtype=torch.uint8, device=device)
+        self.scale_bias = torch.empty((num_rows, 2), dtype=torch.float16, device=device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.codes.index_select(0, ids), self.scale_bias.index_select(0, ids), self.bits)
 
-    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        codes, scale_bias = quantize_rows(rows, self.bits, self.rounding, self.generator)
-        self.codes.index_copy_(0, ids, codes)
-        self.scale_bias.index_copy_(0, ids, scale_bias)
+    def encode(self, rows: torch.Tensor, key: RoundingKey | None = None) -> dict[str, torch.Tensor]:
+        noise = uniform_noise(key.hashes(rows.shape[1])) if key is not None and self.rounding == "stochastic" else None
+        codes, scale_bias = quantize_rows(rows, self.bits, self.rounding, noise)
+        return {"codes": codes, "scale_bias": scale_bias}
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, key: RoundingKey | None = None) -> None:
+        self._store(ids, self.encode(rows, key))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"codes": self.codes, "scale_bias": self.scale_bias}
 
 
-def make_rows(
-    weights: torch.Tensor, precision: str, rounding: str = "stochastic", generator: torch.Generator | None = None
-) -> QuantizedRows:
+def empty_rows(num_rows: int, dim: int, precision: str, rounding: str = "stochastic",
+               device: torch.device | str = "cpu") -> QuantizedRows:
+    """Uninitialised rows of one precision (fill them with write)."""
     if precision == "fp32":
-        return FP32Rows(weights)
+        return FP32Rows(num_rows, dim, device)
     if precision == "fp16":
-        return FP16Rows(weights, rounding, generator)
+        return FP16Rows(num_rows, dim, rounding, device)
     if precision in ("int8", "int4"):
-        return IntRows(weights, int(precision[3:]), rounding, generator)
+        return IntRows(num_rows, dim, int(precision[3:]), rounding, device)
     raise ValueError(f"unknown precision {precision!r}")
+
+
+def make_rows(weights: torch.Tensor, precision: str, rounding: str = "stochastic",
+              key: RoundingKey | None = None) -> QuantizedRows:
+    """fp32 weights [n, D] in one precision (one-off use: a training store
+    quantizes chunk by chunk with its own keys, see store.py)."""
+    rows = empty_rows(weights.shape[0], weights.shape[1], precision, rounding, weights.device)
+    rows.write(torch.arange(weights.shape[0], device=weights.device), weights, key)
+    return rows

@@ -6,7 +6,7 @@ offsets. The collection asks each group for the rows of a batch's plan
 and how they get to the device, is the group's business:
 
   DirectGroup   rows read from the store and written back every step; the
-                store lives on the device ("device") or in host memory ("uvm").
+                store lives on the device ("device") or in host memory ("host").
   CachedGroup   (cache.py) a device cache of fp32 rows in front of the store,
                 filled ahead by the lookahead prefetcher or on demand.
 """
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from recsys_cli.embeddings.counter import MASK32 as _MASK32
+from recsys_cli.embeddings.counter import fmix32 as _fmix32
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.store import RowStore
@@ -38,25 +40,7 @@ class TableSpec:
 # values. The draw is murmur3's 32-bit finaliser applied to the element's
 # index, all in int64 arithmetic that never overflows (so CPU and CUDA agree),
 # and the uniform comes from 24 bits of the hash with one fp32 multiply.
-_MASK32 = 0xFFFFFFFF
 _INIT_CHUNK_ELEMENTS = 1 << 16  # values per piece: temporaries that stay in cache (3x faster than 1 << 20)
-
-
-def _mul32(x: torch.Tensor | int, c: int):
-    """(x * c) mod 2**32 for x in [0, 2**32), via 16-bit halves of c so no
-    product leaves int64."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(h):
-    """murmur3's finaliser: a bijection of [0, 2**32) with full avalanche.
-    Works on Python ints and on int64 tensors holding 32-bit values."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def table_key(name: str, seed: int) -> tuple[int, int]:
@@ -143,28 +127,38 @@ class TableGroup:
         raise NotImplementedError
 
     # --- whole-table access: checkpoints and reports -----------------------
-    def flush(self) -> None:
-        """Write every cached row back to the store."""
-
     def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per table, the store's native tensors (rows in their precision and
-        the optimizer state), after a flush. Host stores give views, not
-        copies (torch.save writes their shared storage once), so a checkpoint
-        of large host tables does not double host memory; copy them to keep a
-        snapshot while training goes on."""
-        self.flush()
+        """Per table, the current rows in the store's native tensors (rows in
+        their precision and the optimizer state). Reading it changes nothing in
+        the live run. Host stores give views, not copies (torch.save writes
+        their shared storage once), so a checkpoint of large host tables does
+        not double host memory; only rows that live elsewhere (a cache's dirty
+        rows) are patched into copies. Copy the views to keep a snapshot while
+        training goes on."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
             tensors = {k: v[lo:hi].cpu() for k, v in self.store.rows.tensors().items()}
             tensors["state"] = self.store.state[lo:hi].cpu()
+            self._snapshot_rows(lo, hi, tensors)
             out[t.name] = {"precision": self.store.precision, **tensors}
         return out
+
+    def _snapshot_rows(self, lo: int, hi: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put rows of [lo, hi) that live elsewhere than the store (a cache)
+        into `tensors`, replacing a view of the store by a copy before writing."""
+
+    def cache_snapshot(self) -> dict | None:
+        """What a checkpoint needs beyond table_state to resume exactly (a cache's slots)."""
+        return None
+
+    def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
+        return saved is None
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
         """Load what table_state wrote, from any placement; a table saved in
         another precision is converted through fp32."""
-        from recsys_cli.embeddings.quant import make_rows
+        from recsys_cli.embeddings.quant import CONVERT_STEP, make_rows
 
         for t in self.tables:
             saved = tables[t.name]
@@ -178,7 +172,7 @@ class TableGroup:
                 for k in rows.tensors():
                     setattr(rows, k, saved[k])
                 fp32 = rows.read(torch.arange(t.num_rows))
-                self.store.rows.write(ids, fp32.to(self.store.device))
+                self.store.rows.write(ids, fp32.to(self.store.device), self.store.key(ids, CONVERT_STEP))
             state = saved["state"].to(self.store.device)
             if state.shape[1] == self.store.state.shape[1]:
                 self.store.state[lo:hi] = state
@@ -216,7 +210,7 @@ class DirectGroup(TableGroup):
         rows, state = self.optimizer.step(rows, state, grad)
         if self.store_tier == "host":
             self.bytes_to_host += rows.numel() * 4
-        self.store.write(ids, rows.to(self.store.device), state.to(self.store.device))
+        self.store.write(ids, rows.to(self.store.device), state.to(self.store.device))  # fp32: no rounding key
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return self.store.rows.read(ids.to(self.store.device)).to(self.device)

@@ -29,11 +29,9 @@ single flat buffer: every dense gradient, the gradient of every gathered
 update to the same rows, so the table replicas never diverge: each rank keeps
 its own table and fills its own cache (lookahead or on-demand) with its own
 prefetcher, from identical plans. The result is one process's trajectory with
-the global batch, up to the rounding of the averaged sums. (Caveat: an
-int8/int4 table behind a lookahead cache admits rows depending on how far the
-prefetcher is ahead, a matter of timing, so two ranks may round a row in low
-precision differently; their replicas then agree only up to quantization
-noise.)
+the global batch, up to the rounding of the averaged sums. Residency and
+rounding are functions of the batch stream (embeddings/cache.py), so the
+ranks' replicas stay bitwise equal in every precision.
 
 trainer.embedding_sync=cache_avg (cDLRM's inexact mode; fp32 tables behind a
 lookahead or on-demand cache only):
@@ -45,19 +43,23 @@ lookahead or on-demand cache only):
     training (they hold one only to load checkpoints).
   * Each rank updates its cache replica with its own gradients only (no
     per-step embedding gradient averaging; dense gradients and uncached
-    device/uvm tables are still averaged every step).
+    device/host tables are still averaged every step).
   * Sync: every trainer.sync_every steps, and before evaluation and
     checkpoints, all ranks average the cache rows and optimizer state touched
     since the last sync (one all-reduce of those slots; every rank touches the
     union rows, so the set is the same everywhere).
-  * Write-back: rank 0 never evicts a row touched since the last sync. When
-    its prefetcher needs room and only such rows could give it, it asks for a
-    sync early: it puts a SYNC marker into its batch stream and broadcasts one
-    to the other ranks, which put it at the same place in theirs; every rank
-    syncs when its trainer reaches the marker. So an evicted row is written
-    back with its averaged value. Each fill carries how many syncs rank 0 had
-    done when it made it, and a rank applies the fill only after doing as many
-    itself: a slot is reused on every rank only after the sync that freed it.
+  * Write-back: rank 0 never evicts a row touched since the last sync. A
+    batch completes only after its step's sync (if the step has one), and a
+    prefetch for batch j with window w protects every batch since the last
+    sync at or before j - w (CachedGroup.sync_points), so what may be evicted
+    follows from the batch stream, not from how far the trainer got. When
+    only such rows could give room, rank 0 asks for a sync early: it puts a
+    SYNC marker into its batch stream and broadcasts one to the other ranks,
+    which put it at the same place in theirs; every rank syncs when its
+    trainer reaches the marker. So an evicted row is written back with its
+    averaged value. Each fill carries how many syncs rank 0 had done when it
+    made it, and a rank applies the fill only after doing as many itself: a
+    slot is reused on every rank only after the sync that freed it.
   * Evaluation: after a sync rank 0's cache and table hold the current rows;
     for every evaluation batch the ranks all-gather their unique ids, rank 0
     reads those rows and broadcasts them.
@@ -97,7 +99,7 @@ def check(cfg, embeddings: EmbeddingCollection) -> None:
             f"trainer.embedding_sync=cache_avg averages cache rows, but placement.kind={cfg.placement.kind} "
             "puts no table behind a cache: use +placement=lookahead (or cache), or trainer.embedding_sync=grad"
         )
-    if any(not g.admit_all for g in cached):
+    if any(g.store.precision != "fp32" for g in cached):
         raise UserError(
             f"trainer.embedding_sync=cache_avg needs fp32 tables behind the cache, not precision.kind="
             f"{cfg.precision.kind}: use trainer.embedding_sync=grad"
@@ -140,9 +142,9 @@ class _Replica:
         self.group = group
         self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # slots touched since the last sync
         self.syncs = 0
-        self.sync_requested = False  # a SYNC marker is on its way
-        self.sync_due = False  # the step in progress ends with a periodic sync
-        group.evict_blocked = self.unsynced  # rank 0 evicts only averaged rows
+        group.completes_on_release = False  # a batch completes after its step's sync (after_step)
+        if group.sync_points is None:  # a resumed cache keeps the sync points it was saved with
+            group.sync_points = [group.completed]
 
 
 class EmbeddingSync:
@@ -175,7 +177,6 @@ class EmbeddingSync:
         uncached groups in cache_avg) and the loss; returns the global loss.
         cache_avg: marks the cache slots this step touches."""
         tensors = []
-        due = (self.step + 1) % self.every == 0
         for p in self.dense_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -185,7 +186,6 @@ class EmbeddingSync:
             if replica is not None:
                 with group.cond:
                     replica.unsynced[plan.slots] = True
-                    replica.sync_due = due
                 continue
             if rows.grad is None:
                 rows.grad = torch.zeros_like(rows)
@@ -202,11 +202,8 @@ class EmbeddingSync:
             return
         if step % self.every == 0:
             self.sync_caches()
-            return
         for replica in self.replicas.values():
-            with replica.group.cond:
-                replica.sync_due = False
-                replica.group.cond.notify_all()
+            replica.group.complete(step)
 
     def sync_caches(self) -> None:
         """cache_avg: average every slot touched since the last sync (all ranks
@@ -228,8 +225,8 @@ class EmbeddingSync:
                     replica.unsynced[slots] = False
                     g.dirty[slots] = True  # the averaged value must reach the table
                     replica.syncs += 1
-                    replica.sync_requested = False
-                    replica.sync_due = False
+                    if g.sync_points[-1] != self.step:
+                        g.sync_points.append(self.step)
                     g.cond.notify_all()
                 self.rows_synced += slots.numel()
             self.syncs += 1
@@ -238,17 +235,17 @@ class EmbeddingSync:
     before_checkpoint = sync_caches
 
     # --- the batch stream -------------------------------------------------------------
-    def batches(self, loader, limit: int, lookahead: list[tuple[int, CachedGroup]]):
+    def batches(self, loader, limit: int, lookahead: list[tuple[int, CachedGroup]], start: int = 0, pause_at=None):
         """The next `limit` batches with union plans, prefetched: by every rank
         for itself (grad), or by rank 0 for all (cache_avg). A context manager
-        like Prefetcher."""
+        like Prefetcher (start, pause_at: see there)."""
         source = union_batches(loader, limit, self.ctx.plan_group)
         if not self.replicas:
             if lookahead:
-                return Prefetcher(source, lookahead, self.embeddings.release)
+                return Prefetcher(source, lookahead, self.embeddings.release, start, pause_at)
             return PlanAhead(source)
         groups = [(i, g) for i, g in enumerate(self.embeddings.groups) if id(g) in self.replicas]
-        return CacheAvgPrefetcher(source, groups, self.embeddings.release, self)
+        return CacheAvgPrefetcher(source, groups, self.embeddings.release, self, start, pause_at)
 
     # --- evaluation -------------------------------------------------------------------
     def serve_eval_rows(self, batch: Batch) -> None:
@@ -299,6 +296,9 @@ class PlanAhead:
         self._thread.start()
         return self
 
+    def passed(self, step: int) -> None:
+        """Planning fills no cache: nothing waits for the trainer."""
+
     def _put(self, item) -> bool:
         while not self._stop.is_set():
             try:
@@ -343,8 +343,9 @@ class CacheAvgPrefetcher(Prefetcher):
 
     thread_name = "recsys-cache-fill"
 
-    def __init__(self, source: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release, sync: EmbeddingSync) -> None:
-        super().__init__(source, groups, release)
+    def __init__(self, source: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release, sync: EmbeddingSync,
+                 start: int = 0, pause_at=None) -> None:
+        super().__init__(source, groups, release, start, pause_at)
         self.sync = sync
         self.ctx = sync.ctx
         self.lead = self.ctx.is_main
@@ -384,22 +385,13 @@ class CacheAvgPrefetcher(Prefetcher):
         self._sends.clear()
 
     def _starved_callback(self, group: CachedGroup):
-        replica = self.sync.replicas[id(group)]
-
-        def starved() -> bool:
-            """Called by prepare (lock held) when no slot can be evicted: if
-            rows wait only for a sync, ask every rank for one."""
-            if replica.sync_requested or replica.sync_due:  # a sync is coming anyway
-                return True
-            waiting = (group.pins == 0) & (group.row_of_slot >= 0) & replica.unsynced
-            if not bool(waiting.any()):
-                return False
-            replica.sync_requested = True
+        def starved() -> None:
+            """Called by prepare (lock held, every earlier batch completed) when
+            only rows awaiting a sync could give room: ask every rank for one here."""
             self._queue.put(_SYNC)
             header = torch.tensor([SYNC, 0, 0, 0], dtype=torch.int64)
             # Asynchronous: never wait on a peer while holding the cache lock.
             self._sends.append((dist.broadcast(header, 0, group=self.ctx.plan_group, async_op=True), header))
-            return True
 
         return starved
 

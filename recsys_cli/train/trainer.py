@@ -24,7 +24,7 @@ from recsys_cli.data.loader import ShardLoader
 from recsys_cli.embeddings.collection import ID_COUNTS, PLANS
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings, plan_auto
-from recsys_cli.embeddings.prefetch import Prefetcher
+from recsys_cli.embeddings.prefetch import Prefetcher, take
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
@@ -237,6 +237,7 @@ class Trainer:
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
                         self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         self.save()
+                    self.stream.passed(self.step)  # the prefetcher may fill the next step's batch
                     if self.step >= self.total_steps:
                         batches.close()
                         break
@@ -265,11 +266,14 @@ class Trainer:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
         ahead = [(i, g) for i, g in enumerate(self.embeddings.groups) if getattr(g, "lookahead", False)]
+        # Exactly the batches this run trains: a prefetcher must not fill a batch past the last step.
+        limit = min(self.train_loader.num_batches - self.batch_in_epoch, self.total_steps - self.step)
         if self.sync is not None:  # union plans; cache_avg: rank 0 fills every rank's cache
-            limit = min(self.train_loader.num_batches - self.batch_in_epoch, self.total_steps - self.step)
-            stream = self.sync.batches(self.train_loader, limit, ahead)
+            stream = self.sync.batches(self.train_loader, limit, ahead, self.step, self.pauses_at)
         else:
-            stream = Prefetcher(iter(self.train_loader), ahead, self.embeddings.release)
+            stream = Prefetcher(take(self.train_loader, limit), ahead, self.embeddings.release,
+                                self.step, self.pauses_at)
+        self.stream = stream
         with stream as batches:
             try:
                 yield from batches
@@ -283,6 +287,12 @@ class Trainer:
         for group in self.dense_optimizer.param_groups:
             group["lr"] = lr
         self.row_optimizer.lr = lr
+
+    def pauses_at(self, step: int) -> bool:
+        """Steps after which the trainer evaluates or checkpoints: the prefetcher
+        waits there, so both see a cache holding no later batch."""
+        tc = self.cfg.trainer
+        return bool((tc.eval_every and step % tc.eval_every == 0) or (tc.checkpoint_every and step % tc.checkpoint_every == 0))
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         timer, model = self.timer, self.model
@@ -400,9 +410,8 @@ class Trainer:
             "samples": self.samples,
             "model": {k: v for k, v in self.model.state_dict().items()},
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "tables": self.embeddings.table_state(),
-            "generators": [g.store.generator.get_state() if g.store.generator is not None else None
-                           for g in self.embeddings.groups],
+            "tables": self.embeddings.table_state(),  # a snapshot: the live cache and store do not change
+            "caches": self.embeddings.cache_snapshot(),  # slots and fp32 rows, so a resumed run continues exactly
             "torch_rng": torch.get_rng_state(),
             "features": {f.name: f.vocab_size for f in self.manifest.sparse_features},
             # what `recsys predict` needs to map raw rows: the dataset's vocabulary, and where rows lived
@@ -451,10 +460,7 @@ class Trainer:
         except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
             raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
         self.embeddings.load_table_state(state["tables"])
-        if len(state["generators"]) == len(self.embeddings.groups):
-            for g, s in zip(self.embeddings.groups, state["generators"]):
-                if s is not None and g.store.generator is not None:
-                    g.store.generator.set_state(s)
+        self.embeddings.load_cache_snapshot(state.get("caches"), state["step"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.samples = state["samples"]

@@ -1,0 +1,127 @@
+"""The command line, end to end: a run is a function of (config, seed, data),
+and kill -9 + `trainer.resume=true` ends bit for bit where the uninterrupted
+run ends (every checkpoint tensor, every logged loss, the final metrics).
+
+`make test` checks lookahead + int8 behind a cache smaller than one batch on
+the small synthetic data; `make verify` adds int4, cache + int8, auto + int8
+and cache_avg on two processes, and the issue's own command on the default
+data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
+COMMON = ["trainer.progress=false", "trainer.checkpoint_every=30", "trainer.log_every=10", "trainer.eval_every=60"]
+TIMING = {"samples_per_second", "prepare_seconds"}  # measured, not computed: the only values allowed to differ
+
+
+def recsys(args, cwd: Path, run_dir: str, wait=True):
+    env = {**os.environ, "RECSYS_CACHE": str(cwd.parent / "cache")}
+    cmd = [RECSYS, "train", *args, f"hydra.run.dir={run_dir}"]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result
+
+
+def without_timing(lines) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def records(run: Path) -> list[dict]:
+    return without_timing((run / "metrics.jsonl").read_text().splitlines())
+
+
+def assert_identical(a, b, where="checkpoint"):
+    """torch.equal on every tensor, == on everything else, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            if k not in TIMING:
+                assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def final_checkpoint(run: Path, steps: int) -> dict:
+    state = torch.load(run / "checkpoints" / f"step-{steps:08d}.pt", weights_only=False)
+    state.pop("config")  # names the run's own directories
+    state["metrics"] = without_timing(state["metrics"])  # the metrics.jsonl lines so far
+    return state
+
+
+def check_combination(tmp_path: Path, args: list[str], steps: int, data=SMALL):
+    args = [*data, *COMMON, f"trainer.max_steps={steps}", *args]
+    work = tmp_path / "work"
+    work.mkdir()
+    recsys(args, work, "a")
+    recsys(args, work, "b")
+    # Twice: the same metrics (throughput aside) and the same checkpoint, tensor for tensor.
+    assert records(work / "a") == records(work / "b")
+    assert_identical(final_checkpoint(work / "a", steps), final_checkpoint(work / "b", steps))
+
+    # kill -9 at a random moment after the first checkpoint, then resume.
+    proc = recsys(args, work, "killed", wait=False)
+    latest = work / "killed" / "checkpoints" / "latest.json"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(random.Random(len(args)).random() * 0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < steps, "the run finished before it could be killed"
+    recsys([*args, "trainer.resume=true", "trainer.checkpoint_dir=killed/checkpoints"], work, "resumed")
+    assert_identical(final_checkpoint(work / "a", steps), final_checkpoint(work / "killed", steps))
+    # The resumed run rewinds metrics.jsonl to the checkpoint and goes on: the uninterrupted run's file.
+    assert records(work / "resumed") == records(work / "a")
+    summary = lambda run: json.loads((work / run / "summary.json").read_text())["final"]  # noqa: E731
+    assert summary("a") == summary("resumed")
+
+
+def test_lookahead_int8_small_cache_is_reproducible_and_resumes_exactly(tmp_path):
+    # 0.05 of the small data's rows is less than one batch's unique rows: the store serves the rest.
+    check_combination(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.05",
+                                 "trainer.batch_size=64"], steps=120)
+
+
+@pytest.mark.verify
+@pytest.mark.parametrize("args", [
+    ["+placement=lookahead", "+precision=int4", "placement.cache_ratio=0.05"],
+    ["+placement=cache", "+precision=int8", "placement.cache_ratio=0.05", "precision.policy=lfu"],
+    ["+placement=auto", "+precision=int8", "placement.device_memory_budget=300KiB"],
+    ["+placement=lookahead", "trainer.nproc=2", "trainer.embedding_sync=cache_avg", "trainer.sync_every=3",
+     "placement.cache_ratio=0.2"],
+    ["dataset=synthetic_sessions", "+placement=lookahead", "+precision=int8", "trainer.nproc=2",
+     "placement.cache_ratio=0.05", "optimizer=adagrad", "+dedup=on"],
+], ids=["lookahead-int4", "cache-int8-lfu", "auto-int8", "cache_avg-2proc", "grad-2proc-int8-adagrad-dedup"])
+def test_combination_is_reproducible_and_resumes_exactly(tmp_path, args):
+    check_combination(tmp_path, [*args, "trainer.batch_size=64"], steps=150)
+
+
+@pytest.mark.verify
+def test_the_issues_command_on_the_default_data(tmp_path):
+    """`recsys train +placement=lookahead +precision=int8 placement.cache_ratio=0.01`, shortened."""
+    check_combination(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.01"],
+                      steps=200, data=[])

@@ -435,7 +435,8 @@ _UNLABELLED_LINE_RE = re.compile(
 
 UNLABELLED = ("the input looks unlabelled (13 integer and 26 hex fields, no label, like Criteo's test.txt); "
               "preprocess builds training data and needs the label as the first field "
-              "(to map unlabelled rows with a trained vocabulary: labels=false vocab=DIR)")
+              "(to score it: recsys predict checkpoint=RUN input=FILE; to map it with a trained "
+              "vocabulary: labels=false vocab=DIR)")
 
 
 def _looks_unlabelled(fields: list[str]) -> bool:

@@ -1,7 +1,8 @@
 """`recsys verify DIR`: check a dataset directory against its manifest.
 
 Every shard must exist, have the manifest's size and sha256, and be a
-parquet file with the manifest's row count. (Training checks sizes when it
+parquet file with the manifest's row count; a saved vocabulary's files must
+match their sha256 too. (Training checks sizes when it
 opens a dataset and each shard's sha256 when it first reads the shard; this
 checks everything up front, e.g. after copying a dataset.)
 """
@@ -44,6 +45,14 @@ def problems(directory: Path) -> tuple[list[str], int, int]:
                 continue
             if rows != shard.rows:
                 found.append(f"{path}: {rows} rows, the manifest says {shard.rows}")
+    if manifest.options.get("vocabulary"):
+        from data_tools.manifest import ManifestError
+        from data_tools.vocab import load_vocabulary
+
+        try:
+            load_vocabulary(directory, verify=True)
+        except ManifestError as e:
+            found.append(str(e))
     return found, count, nbytes
 
 
@@ -56,5 +65,7 @@ def run_verify(args: list[str]) -> None:
         print(f"damaged: {line}")
     if found:
         more = f" ({len(found) - 1} more above)" if len(found) > 1 else ""
-        raise UserError(f"{found[0]}{more}; {len(found)} of {count} shards are damaged: preprocess the data again")
-    print(f"ok: {directory}: {count} shards, {nbytes:,} bytes, sizes, sha256 and row counts match the manifest")
+        raise UserError(f"{found[0]}{more}; {len(found)} damaged file(s) in a dataset of {count} shards: "
+                        "preprocess the data again")
+    print(f"ok: {directory}: {count} shards, {nbytes:,} bytes, sizes, sha256 and row counts "
+          "(and the vocabulary's sha256, if saved) match the manifest")

@@ -154,3 +154,16 @@ def test_vocab_option_errors(tmp_path, train_rows):
         run(tmp_path, raw, "x", vocab=str(tmp_path), min_count=2)
     with pytest.raises(UserError, match="labels=false needs vocab=DIR"):
         run(tmp_path, raw, "x", labels=False)
+
+
+def test_recsys_verify_checks_the_saved_vocabulary(tmp_path, train_rows):
+    from recsys_cli.verify import run_verify
+
+    _, out = run(tmp_path, write_raw(tmp_path / "train.txt", train_rows), "train")
+    run_verify([str(out)])  # a fresh dataset passes
+    values = out / load_manifest(out).options["vocabulary"]["files"]["C3"]["values"]["file"]
+    data = bytearray(values.read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])  # same size, other raw values
+    values.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"{values}: vocabulary file does not match its sha256"):
+        run_verify([str(out)])

@@ -16,7 +16,7 @@ from torch import nn
 
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.jagged import KeyedJaggedTensor
-from recsys_cli.embeddings.plan import LookupPlan, plan_lookup
+from recsys_cli.embeddings.plan import LookupPlan, SegmentPlan, plan_lookup, segment_sum
 from recsys_cli.embeddings.tables import TableGroup
 
 PLANS = "plans"  # key of the per-group lookup plans in Batch.extras
@@ -26,23 +26,35 @@ ID_COUNTS = "id_counts"  # key of the per-feature id counts in Batch.extras
 class SumPool(torch.autograd.Function):
     """Sum pooling of rows[inverse] into bags, with a backward whose
     summation order depends only on the batch: every row's gradient adds its
-    occurrences in batch order (index_add_). embedding_bag's own CPU backward
-    sorts the ids with an unstable sort, so a row's gradient could change in
-    the last bit with the size of the group it sits in, and row-wise Adagrad
-    amplifies that: exact placements need this order fixed."""
+    occurrences in batch order, as a segment sum over the plan's row_grad
+    (sorted on the loader thread). embedding_bag's own backward sorts with an
+    unstable sort on CPU and adds atomically on CUDA, so a row's gradient
+    could change in the last bit with the size of its group or from run to
+    run, and row-wise Adagrad amplifies that: exact placements need this
+    order fixed."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, bag_of_id: torch.Tensor):
-        ctx.save_for_backward(inverse, bag_of_id)
-        ctx.num_rows = rows.shape[0]
+    def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, row_grad: SegmentPlan):
+        ctx.row_grad = row_grad
         return F.embedding_bag(inverse, rows, offsets, mode="sum")
 
     @staticmethod
     def backward(ctx, grad_pooled: torch.Tensor):
-        inverse, bag_of_id = ctx.saved_tensors
-        grad_rows = grad_pooled.new_zeros(ctx.num_rows, grad_pooled.shape[1])
-        grad_rows.index_add_(0, inverse, grad_pooled.index_select(0, bag_of_id))
-        return grad_rows, None, None, None
+        return segment_sum(grad_pooled, ctx.row_grad), None, None, None
+
+
+class ExpandBags(torch.autograd.Function):
+    """pooled[bag_inverse]: unique bags out to every sample (dedup), with the
+    same fixed-order backward (index_select's is an atomic index_add_ on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, pooled: torch.Tensor, bag_inverse: torch.Tensor, bag_grad: SegmentPlan):
+        ctx.bag_grad = bag_grad
+        return pooled.index_select(0, bag_inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return segment_sum(grad, ctx.bag_grad), None, None
 
 
 class EmbeddingCollection(nn.Module):
@@ -137,9 +149,9 @@ class EmbeddingCollection(nn.Module):
                 rows = plan.extras.get("rows")  # read by another rank (distributed cache_avg evaluation)
                 if rows is None:
                     rows = group.read(plan.unique)
-            pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.bag_of_id)
+            pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.row_grad)
             if plan.bag_inverse is not None:
-                pooled = pooled.index_select(0, plan.bag_inverse.reshape(-1))
+                pooled = ExpandBags.apply(pooled, plan.bag_inverse.reshape(-1), plan.bag_grad)
             parts.append(pooled.view(plan.num_features, stride, self.dim))
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts)
         if not self._identity_order:

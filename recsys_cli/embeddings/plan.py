@@ -6,14 +6,55 @@ inverse index that points every id at its unique row. Lookups, pooling and
 updates then run once per unique row, on every placement, in the same order:
 the unique ids are sorted raw row ids, never cache slots, so the arithmetic
 does not depend on where rows live.
+
+Gradients are reduced the same way everywhere: the plan carries, for every
+index whose backward is a scatter-add (ids -> unique rows, samples -> unique
+bags), the sources sorted by target with a stable sort (so a target's
+sources stay in batch order) and the count per target. Backward is then a
+segment sum in that fixed order (segment_sum), never an atomic index_add_,
+so it is deterministic on CUDA as on CPU, and on CPU it is bit for bit the
+sequential index_add_ it replaces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+
+@dataclass
+class SegmentPlan:
+    """How to sum sources into targets in a fixed order: target t receives
+    sources source[starts[t] : starts[t] + counts[t]] (starts: cumsum of counts),
+    in batch order."""
+
+    source: torch.Tensor  # int64 [nnz] source index, sorted by target (stable)
+    counts: torch.Tensor  # int64 [targets] sources per target (0 allowed)
+
+    @classmethod
+    def of(cls, target: torch.Tensor, num_targets: int, source: torch.Tensor | None = None) -> "SegmentPlan":
+        """For an index `target` [nnz] of each item's target: items sorted by
+        target; source maps item -> source row (default: the item itself)."""
+        order = torch.argsort(target, stable=True)
+        return cls(order if source is None else source[order], torch.bincount(target, minlength=num_targets))
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "SegmentPlan":
+        return SegmentPlan(fn(self.source), fn(self.counts))
+
+    def widen(self, position: torch.Tensor, num_targets: int) -> "SegmentPlan":
+        """Targets renumbered by a monotone map into a larger set (position[t]
+        is old target t's new number); new targets receive nothing."""
+        counts = torch.zeros(num_targets, dtype=self.counts.dtype, device=self.counts.device)
+        return SegmentPlan(self.source, counts.index_copy_(0, position, self.counts))
+
+
+def segment_sum(values: torch.Tensor, segments: SegmentPlan) -> torch.Tensor:
+    """out[t] = sum of values[segments.source] over t's segment, added left to
+    right in batch order: deterministic on every device."""
+    gathered = values.index_select(0, segments.source)
+    return torch.segment_reduce(gathered, "sum", lengths=segments.counts, axis=0, unsafe=True)
 
 
 @dataclass
@@ -26,6 +67,11 @@ class LookupPlan:
     # Set when pooled bags are unique bags (dedup): bag b of feature f for
     # sample s is bag_inverse[f, s] (global over the group's bags).
     bag_inverse: torch.Tensor | None = None
+    # Backward of the lookup: rows' gradients from the bags (pooling), and
+    # with dedup the unique bags' gradients from the samples (expansion).
+    row_grad: SegmentPlan | None = None
+    bag_grad: SegmentPlan | None = None
+    unique_device: torch.Tensor | None = None  # `unique` moved once, for a device-resident store
     slots: torch.Tensor | None = None  # cache slots of `unique`, set by a cache
     ready: Any = None  # a CUDA event the trainer waits on before reading slots
     extras: dict = field(default_factory=dict)
@@ -39,18 +85,47 @@ class LookupPlan:
         return self.inverse.numel()
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "LookupPlan":
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        """The plan for a step on `device`: `unique` stays on the host, where
+        the caches and host stores index with it, and is also copied once
+        (unique_device) for device-resident stores."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        moved = self.apply(move)
+        moved.unique_device = move(self.unique)
+        return moved
+
+    def pin_memory(self, pin: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.pin_memory) -> "LookupPlan":
+        """Every tensor `to` copies, in page-locked memory (on the loader thread)."""
+        pinned = self.apply(pin)
+        pinned.unique = pin(self.unique)
+        return pinned
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LookupPlan":
+        """The plan with fn applied to the tensors the step reads on the device."""
+        move = lambda t: None if t is None else fn(t)  # noqa: E731
         return LookupPlan(
-            unique=self.unique,  # stays on the host: the stores index with it
+            unique=self.unique,
             inverse=move(self.inverse),
             offsets=move(self.offsets),
             bag_of_id=move(self.bag_of_id),
             num_features=self.num_features,
             bag_inverse=move(self.bag_inverse),
+            row_grad=None if self.row_grad is None else self.row_grad.apply(fn),
+            bag_grad=None if self.bag_grad is None else self.bag_grad.apply(fn),
+            unique_device=self.unique_device,
             slots=self.slots,
             ready=self.ready,
             extras=self.extras,
         )
+
+    def widen(self, union: torch.Tensor) -> None:
+        """Serve `union` (a sorted superset of unique) instead of unique:
+        remap the inverse index and the row gradient's segments (distributed
+        union plans; rows no local id uses get a zero gradient)."""
+        position = torch.searchsorted(union, self.unique)
+        self.inverse = position[self.inverse]
+        if self.row_grad is not None:
+            self.row_grad = self.row_grad.widen(position, union.numel())
+        self.unique = union
 
 
 def plan_lookup(
@@ -73,7 +148,9 @@ def plan_lookup(
     offsets = torch.zeros(lengths.numel(), dtype=torch.int64)
     torch.cumsum(lengths[:-1], 0, out=offsets[1:])
     bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    bag_grad = None if bag_inverse is None else SegmentPlan.of(bag_inverse.reshape(-1), lengths.numel())
     return LookupPlan(
         unique=unique, inverse=inverse, offsets=offsets, bag_of_id=bag_of_id,
         num_features=feature_row_offset.numel(), bag_inverse=bag_inverse,
+        row_grad=SegmentPlan.of(inverse, unique.numel(), bag_of_id), bag_grad=bag_grad,
     )

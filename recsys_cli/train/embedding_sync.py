@@ -113,10 +113,8 @@ def union_plan(batch: Batch, group) -> Batch:
     per_rank = all_gather_split([p.unique for p in plans], group)
     for g, plan in enumerate(plans):
         union = torch.unique(torch.cat([parts[g] for parts in per_rank]), sorted=True)
-        position = torch.searchsorted(union, plan.unique)
         plan.extras["local_unique"] = plan.num_unique
-        plan.inverse = position[plan.inverse]
-        plan.unique = union
+        plan.widen(union)
     return batch
 
 

@@ -103,24 +103,46 @@ def roc_curve(scores, labels, points: int = 1001) -> dict[str, list[float]]:
 
 
 class PhaseTimer:
-    """Wall seconds per phase of the step. On CUDA the device is synchronised
-    at phase edges, so the split is honest (and costs a little throughput)."""
+    """Seconds per phase of the step, from events recorded at the phase edges
+    on the compute stream and read later (collect(), at log time): on CUDA a
+    phase is the device time between its edges, and nothing waits for the
+    device while the step runs, so the prefetch side stream keeps
+    overlapping compute (a torch.cuda.synchronize() per edge would drain it).
+    A host phase such as data_wait measures how long the device sat idle
+    waiting for the host. On CPU the events are the host clock."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.sync = device.type == "cuda"
+    def __init__(self, device: torch.device, runtime=None) -> None:
+        from recsys_cli.device import runtime_for
+
+        self.runtime = runtime or runtime_for(device)
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._pending: list[tuple[str, object, object]] = []
 
     @contextmanager
     def phase(self, name: str):
-        if self.sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        stream = self.runtime.current_stream()
+        start = self.runtime.event(timing=True)
+        start.record(stream)
         try:
             yield
         finally:
-            if self.sync:
-                torch.cuda.synchronize()
-            self.seconds[name] += time.perf_counter() - start
+            end = self.runtime.event(timing=True)
+            end.record(stream)
+            self._pending.append((name, start, end))
+
+    def collect(self) -> None:
+        """Add up the phases recorded so far (waits for the last one's end)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()  # the stream is in order: every earlier event is done too
+        for name, start, end in self._pending:
+            self._seconds[name] += start.elapsed_time(end) / 1000.0
+        self._pending.clear()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        self.collect()
+        return self._seconds
 
 
 class MetricsLog:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
+from devices import TEST_DEVICE
 
 
 def config(cache_dir, **overrides) -> TrainConfig:
@@ -15,6 +16,7 @@ def config(cache_dir, **overrides) -> TrainConfig:
     cfg.dataset.synthetic.rows = 20000
     cfg.dataset.synthetic.cardinality_scale = 0.0005
     cfg.trainer.progress = False
+    cfg.trainer.device = TEST_DEVICE.type  # cpu unless RECSYS_TEST_DEVICE says otherwise
     cfg.trainer.batch_size = 128
     cfg.trainer.log_every = 10
     for key, value in overrides.items():

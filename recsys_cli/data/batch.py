@@ -25,11 +25,20 @@ class Batch:
     def size(self) -> int:
         return self.labels.numel()
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+    def apply(self, fn) -> "Batch":
+        """The same batch with fn applied to its tensors (a move, pinning);
+        extras (the transforms' work) are shared, not mapped."""
         return replace(
             self,
-            dense=self.dense.to(device, non_blocking=non_blocking),
-            sparse=self.sparse.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            session=None if self.session is None else self.session.to(device, non_blocking=non_blocking),
+            dense=fn(self.dense),
+            sparse=self.sparse.apply(fn),
+            labels=fn(self.labels),
+            session=None if self.session is None else fn(self.session),
+            extras=dict(self.extras),
         )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        return self.apply(torch.Tensor.pin_memory)

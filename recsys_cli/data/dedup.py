@@ -149,25 +149,18 @@ class InverseKeyedJaggedTensor:
         values = _gather_bags(self.values, self.offsets(), flat, lengths)
         return KeyedJaggedTensor(keys=list(self.keys), values=values, lengths=lengths, stride=self.stride)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "InverseKeyedJaggedTensor":
+    def apply(self, fn) -> "InverseKeyedJaggedTensor":
+        """The same batch with fn applied to every tensor (a move, pinning)."""
         return InverseKeyedJaggedTensor(
-            keys=self.keys,
-            values=self.values.to(device, non_blocking=non_blocking),
-            lengths=self.lengths.to(device, non_blocking=non_blocking),
-            unique_counts=self.unique_counts,
-            inverse=self.inverse.to(device, non_blocking=non_blocking),
-            stride=self.stride,
+            keys=self.keys, values=fn(self.values), lengths=fn(self.lengths), unique_counts=self.unique_counts,
+            inverse=fn(self.inverse), stride=self.stride,
         )
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "InverseKeyedJaggedTensor":
+        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
+
     def pin_memory(self) -> "InverseKeyedJaggedTensor":
-        return InverseKeyedJaggedTensor(
-            self.keys,
-            self.values.pin_memory(),
-            self.lengths.pin_memory(),
-            self.unique_counts,
-            self.inverse.pin_memory(),
-            self.stride,
-        )
+        return self.apply(torch.Tensor.pin_memory)
 
     # -- statistics -----------------------------------------------------
     def _value_counts(self) -> tuple[list[int], list[int]]:

@@ -68,13 +68,12 @@ class KeyedJaggedTensor:
             ]
         return out
 
+    def apply(self, fn) -> "KeyedJaggedTensor":
+        """The same batch with fn applied to every tensor (a move, pinning)."""
+        return KeyedJaggedTensor(self.keys, fn(self.values), fn(self.lengths), self.stride)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(
-            keys=self.keys,
-            values=self.values.to(device, non_blocking=non_blocking),
-            lengths=self.lengths.to(device, non_blocking=non_blocking),
-            stride=self.stride,
-        )
+        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(self.keys, self.values.pin_memory(), self.lengths.pin_memory(), self.stride)
+        return self.apply(torch.Tensor.pin_memory)

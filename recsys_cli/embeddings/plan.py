@@ -88,7 +88,10 @@ class LookupPlan:
         """The plan for a step on `device`: `unique` stays on the host, where
         the caches and host stores index with it, and is also copied once
         (unique_device) for device-resident stores."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return self.moved(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "LookupPlan":
+        """`to` with the move given (the trainer's copy stream counts and records its copies)."""
         moved = self.apply(move)
         moved.unique_device = move(self.unique)
         return moved

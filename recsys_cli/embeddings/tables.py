@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.counter import MASK32 as _MASK32
 from recsys_cli.embeddings.counter import fmix32 as _fmix32
 from recsys_cli.embeddings.optim import RowOptimizer
@@ -190,23 +191,46 @@ class TableGroup:
 
 
 class DirectGroup(TableGroup):
-    """No cache: rows go between the store and the trainer every step."""
+    """No cache: rows go between the store and the trainer every step. The
+    store is fp32 (a low-precision table always sits behind a cache). With the
+    store in host memory and the trainer on CUDA, rows and their optimizer
+    state are gathered into reusable pinned buffers, so their copies to the
+    device are asynchronous."""
 
     def __init__(self, *args, kind: str = "device", **kwargs) -> None:
         super().__init__(*args, store_tier="device" if kind == "device" else "host", **kwargs)
         self.kind = kind
         self.bytes_to_device = 0
         self.bytes_to_host = 0
+        staged = self.store.device.type == "cpu" and self.device.type != "cpu"
+        self.staging = self.make_staging(runtime_for(self.device)) if staged else None
+
+    def make_staging(self, runtime) -> tuple[PinnedStaging, PinnedStaging]:
+        """Staging buffers for rows and optimizer state (tests install a recording runtime's)."""
+        return PinnedStaging(runtime, self.dim), PinnedStaging(runtime, self.store.state.shape[1])
+
+    def _ids(self, plan: LookupPlan) -> torch.Tensor:
+        """plan.unique where the store is: the copy the trainer made once per step."""
+        if plan.unique.device == self.store.device:
+            return plan.unique
+        return plan.unique_device if plan.unique_device is not None else plan.unique.to(self.store.device)
+
+    def _gather(self, source: torch.Tensor, ids: torch.Tensor, staging: PinnedStaging | None) -> torch.Tensor:
+        if staging is None:
+            return source.index_select(0, ids).to(self.device, non_blocking=True)
+        view = staging.take(ids.numel())
+        torch.index_select(source, 0, ids, out=view)
+        return staging.to_device(view, self.device)
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
-        rows = self.store.rows.read(plan.unique.to(self.store.device, non_blocking=True))
+        ids = self._ids(plan)
         if self.store_tier == "host":  # counted on CPU runs too: the traffic a GPU would see
-            self.bytes_to_device += rows.numel() * 4
-        return rows.to(self.device, non_blocking=True)
+            self.bytes_to_device += ids.numel() * self.dim * 4
+        return self._gather(self.store.rows.weights, ids, self.staging and self.staging[0])
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        ids = plan.unique.to(self.store.device, non_blocking=True)
-        state = self.store.state.index_select(0, ids).to(self.device, non_blocking=True)
+        ids = self._ids(plan)
+        state = self._gather(self.store.state, ids, self.staging and self.staging[1])
         rows, state = self.optimizer.step(rows, state, grad)
         if self.store_tier == "host":
             self.bytes_to_host += rows.numel() * 4

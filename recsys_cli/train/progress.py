@@ -63,13 +63,17 @@ def summary_table(summary: dict) -> Table:
         add(f"seconds: {phase}", f"{seconds:.2f}")
     mem = summary["embedding_bytes"]
     add("embedding bytes: device / host", f"{_bytes(mem['device'])} / {_bytes(mem['host'])}")
+    allocated = summary.get("embedding_bytes_allocated")
+    if allocated is not None:  # CUDA: what the allocators hold, beside the tensor sizes above
+        add("  allocated: device / pinned host", f"{_bytes(allocated['device'])} / {_bytes(allocated['pinned_host'])}")
     add("  of which tables / cache / cache index", f"{_bytes(mem['table'])} / {_bytes(mem['cache'])} / {_bytes(mem['index'])}")
     plan = summary.get("placement_plan")
     if plan:
         add("device budget (auto placement)", f"{_bytes(mem['device'])} used of {_bytes(plan['budget_bytes'])}")
     add("peak host RSS", _bytes(summary["peak_host_rss_bytes"]))
     if summary.get("peak_device_bytes") is not None:
-        add("peak device memory", _bytes(summary["peak_device_bytes"]))
+        add("peak device memory / pinned host", f"{_bytes(summary['peak_device_bytes'])} / "
+                                                f"{_bytes(summary.get('peak_pinned_host_bytes'))}")
     cache = summary.get("cache") or {}
     if "hits" in cache:
         add("cache hit rate", f"{cache['hit_rate']:.3f}" if cache.get("hit_rate") is not None else "-")

@@ -25,6 +25,7 @@ from recsys_cli.embeddings.collection import ID_COUNTS, PLANS
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings, plan_auto
 from recsys_cli.embeddings.prefetch import Prefetcher, take
+from recsys_cli.device import allocated_by, runtime_for
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
@@ -35,6 +36,7 @@ from recsys_cli.train.loggers import make_log
 from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
+from recsys_cli.train.transfer import BatchCopier, pinning
 
 PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communication", "sparse_update", "dense_update",
           "eval")
@@ -96,14 +98,16 @@ class Trainer:
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
         vocab_sizes = [f.vocab_size for f in self.manifest.sparse_features]
         self.plan = self.plan_placement(features, vocab_sizes, row_optimizer) if cfg.placement.kind == "auto" else None
-        embeddings = build_embeddings(
+        self.runtime = runtime_for(self.device)
+        # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
+        embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
             self.device, tc.seed, **(self.plan_overrides() if self.plan else {}),
-        )
-        if self.plan is not None and embeddings.memory()["device"] > self.plan.budget_bytes:
+        ))
+        device_bytes = (self.embedding_allocated or embeddings.memory())["device"]
+        if self.plan is not None and device_bytes > self.plan.budget_bytes:
             raise RuntimeError(  # the planner's byte model and the allocation disagree: a bug, not bad input
-                f"placement plan allocated {embeddings.memory()['device']} device bytes, over the budget "
-                f"{self.plan.budget_bytes}"
+                f"placement plan allocated {device_bytes} device bytes, over the budget {self.plan.budget_bytes}"
             )
         self.model = DLRM(
             len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
@@ -119,7 +123,13 @@ class Trainer:
                 self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator
             )
 
-        loader_args = dict(transform=embeddings.plan, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
+        # Plans are made on the loader thread; on CUDA the batch and its plans are also pinned there.
+        self.copier = BatchCopier(self.device, self.runtime)
+        transform = embeddings.plan
+        if self.device.type == "cuda":
+            pin = pinning(self.copier.runtime)
+            transform = lambda batch: pin(embeddings.plan(batch))  # noqa: E731
+        loader_args = dict(transform=transform, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
         self.keep_sessions = self.session_shuffle(cfg.dedup, self.manifest.session_column)
         self.train_loader = ShardLoader(
@@ -140,7 +150,7 @@ class Trainer:
             )
         self.schedule = LRSchedule.from_config(opt, self.total_steps)
 
-        self.timer = PhaseTimer(self.device)
+        self.timer = PhaseTimer(self.device, self.runtime)
         self.log = make_log(tc.logger, run_dir, self.dist.is_main)
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0
@@ -225,6 +235,7 @@ class Trainer:
                         self.step_losses.append(loss.item())
                     if self.step % tc.log_every == 0 or self.step == self.total_steps:
                         mean_loss = (self.running_loss / self.running_steps).item()
+                        self.timer.collect()  # read the phase events here, where the loss is read anyway
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
                         rate = self.running_steps * tc.batch_size / (now - last_log)
@@ -330,12 +341,7 @@ class Trainer:
         return loss
 
     def to_device(self, batch: Batch) -> Batch:
-        if self.device.type == "cpu":
-            return batch
-        moved = batch.to(self.device, non_blocking=True)
-        moved.extras = dict(batch.extras)
-        moved.extras[PLANS] = [p.to(self.device, non_blocking=True) for p in batch.extras[PLANS]]
-        return moved
+        return self.copier.to_device(batch)  # on CUDA: on the copy stream, overlapping the previous step
 
     def count_dedup(self, batch: Batch) -> None:
         self.id_counts += batch.extras[ID_COUNTS]
@@ -518,7 +524,10 @@ class Trainer:
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
             "embedding_bytes": self.embeddings.memory(),
             "peak_host_rss_bytes": peak_rss,
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
+            "embedding_bytes_allocated": self.embedding_allocated,  # CUDA: measured by the allocators
+            "peak_device_bytes": (self.runtime.allocated() or {}).get("device_peak"),
+            "peak_pinned_host_bytes": (self.runtime.allocated() or {}).get("pinned_host_peak"),
+            "pageable_host_to_device_copies": self.copier.pageable_copies if self.device.type != "cpu" else None,
             "device": str(self.device),
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,

@@ -1,0 +1,176 @@
+"""Streams, events and page-locked memory, with a CPU twin of each.
+
+Code that orders work between the host, a copy stream and the compute
+stream is written once against `Runtime`: `CudaRuntime` hands out CUDA
+streams, timing events and pinned memory; `HostRuntime` (CPU) hands out
+objects with the same methods that do the work at once, in program order,
+so the ordering code runs, and is tested, on every machine. Tests pass a
+recording runtime to check the order (a wait before every read of a copy,
+a staging buffer never rewritten before its copy is done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+class HostEvent:
+    """torch.cuda.Event's interface on the host: work before record() is done
+    when it returns, so waiting costs nothing; the timing is the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self.time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        """Milliseconds from this event to `end`, as CUDA events report it."""
+        return (end.time - self.time) * 1000.0
+
+
+class HostStream:
+    """torch.cuda.Stream's interface on the host: one in-order queue."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostRuntime:
+    """The CPU twin: one stream, events on the host clock, no pinning."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._stream = HostStream()
+
+    def event(self, timing: bool = False):
+        return HostEvent(timing)
+
+    def new_stream(self):
+        return self._stream
+
+    def current_stream(self):
+        return self._stream
+
+    def use_stream(self, stream):
+        """Context in which enqueued work goes to `stream`."""
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the allocator `tensor` is used on `stream` (memory made on another)."""
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return True  # nothing to pin: host memory is the device's memory
+
+    def empty_pinned(self, shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def allocated(self) -> dict[str, int] | None:
+        """Bytes the allocators hold now and at their peak: device memory and
+        pinned host memory (None on CPU, where the process's RSS is the measure)."""
+        return None
+
+
+class CudaRuntime(HostRuntime):
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def empty_pinned(self, shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def allocated(self) -> dict[str, int]:
+        host = torch.cuda.host_memory_stats()
+        return {
+            "device": torch.cuda.memory_allocated(self.device),
+            "device_peak": torch.cuda.max_memory_allocated(self.device),
+            "pinned_host": host.get("active_bytes.current", 0),
+            "pinned_host_peak": host.get("active_bytes.peak", 0),
+        }
+
+
+def allocated_by(runtime: HostRuntime, build):
+    """(build(), the bytes it left allocated per tier: device, pinned_host),
+    read from the allocators; the bytes are None on CPU."""
+    before = runtime.allocated()
+    result = build()
+    after = runtime.allocated()
+    if before is None or after is None:
+        return result, None
+    return result, {tier: after[tier] - before[tier] for tier in ("device", "pinned_host")}
+
+
+def runtime_for(device: torch.device | str) -> HostRuntime:
+    device = torch.device(device)
+    return CudaRuntime(device) if device.type == "cuda" else HostRuntime(device)
+
+
+class PinnedStaging:
+    """A reusable page-locked buffer that host rows are gathered into before
+    an asynchronous copy to the device. A non_blocking copy from pageable
+    memory is synchronous, and a fresh pinned tensor per step costs a
+    cudaHostAlloc; one buffer that grows (x1.5) to the largest request is
+    reused. Rewriting it while the previous copy still reads it would corrupt
+    that copy, so take() first waits on the event recorded after it (`done`)."""
+
+    def __init__(self, runtime: HostRuntime, dim: int, dtype=torch.float32) -> None:
+        self.runtime = runtime
+        self.dim = dim
+        self.dtype = dtype
+        self.buffer: torch.Tensor | None = None
+        self._copied = None  # event after the last copy out of the buffer
+        self.allocations = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """A [rows, dim] view of the buffer, safe to write."""
+        if self._copied is not None:
+            self._copied.synchronize()  # usually long done: the copy was enqueued a step ago
+            self._copied = None
+        if self.buffer is None or self.buffer.shape[0] < rows:
+            capacity = max(rows, int(1.5 * (0 if self.buffer is None else self.buffer.shape[0])))
+            self.buffer = self.runtime.empty_pinned((capacity, self.dim), self.dtype)
+            self.allocations += 1
+        return self.buffer[:rows]
+
+    def to_device(self, view: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Copy a view from take() to the device on the current stream; the
+        buffer may be rewritten once that copy is done."""
+        out = view.to(device, non_blocking=True, copy=True)  # copy: on CPU too, never an alias of the buffer
+        self._copied = self.runtime.event()
+        self._copied.record(self.runtime.current_stream())
+        return out

@@ -1,0 +1,295 @@
+"""The CUDA paths' ordering, checked on CPU through a recording runtime: the
+phase timer never waits for the device while a step runs, batches are
+pinned before they are copied on the copy stream and the compute stream
+waits for the copy, and a staging buffer is reused and never rewritten
+before its copy is done."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from devices import TEST_DEVICE
+from embedding_harness import FEATURES, VOCAB, build, make_batches
+
+from recsys_cli.data.batch import Batch
+from recsys_cli.data.dedup import dedup_kjt
+from recsys_cli.device import HostRuntime
+from recsys_cli.embeddings.collection import PLANS
+from recsys_cli.train.metrics import PhaseTimer
+from recsys_cli.train.transfer import BatchCopier, pinning
+
+
+class Clock:
+    now = 0.0
+
+
+class RecordingEvent:
+    def __init__(self, runtime: "RecordingRuntime", name: str) -> None:
+        self.runtime, self.name, self.time, self.stream = runtime, name, None, None
+
+    def record(self, stream=None) -> None:
+        self.time, self.stream = Clock.now, stream
+        self.runtime.log.append(("record", self.name, stream))
+
+    def synchronize(self) -> None:
+        self.runtime.log.append(("synchronize", self.name))
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "RecordingEvent") -> float:
+        return (end.time - self.time) * 1000.0
+
+
+class RecordingStream:
+    def __init__(self, runtime: "RecordingRuntime", name: str) -> None:
+        self.runtime, self.name = runtime, name
+
+    def wait_event(self, event) -> None:
+        self.runtime.log.append(("wait", self.name, event.name))
+
+    def wait_stream(self, stream) -> None:
+        self.runtime.log.append(("wait_stream", self.name, stream.name))
+
+    def synchronize(self) -> None:
+        self.runtime.log.append(("stream_synchronize", self.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class RecordingRuntime(HostRuntime):
+    """A runtime that logs what a CUDA runtime would be asked to do; pinning
+    marks tensors (by storage) so a copy from unpinned memory is visible."""
+
+    def __init__(self, device="cpu") -> None:
+        super().__init__(device)
+        self.log: list = []
+        self.compute = RecordingStream(self, "compute")
+        self.streams = 0
+        self.active = self.compute
+        self.pinned: set[int] = set()
+        self.events = 0
+
+    def event(self, timing: bool = False):
+        self.events += 1
+        return RecordingEvent(self, f"e{self.events}")
+
+    def new_stream(self):
+        self.streams += 1
+        return RecordingStream(self, f"side{self.streams}")
+
+    def current_stream(self):
+        return self.active
+
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        previous, self.active = self.active, stream
+        self.log.append(("enter", stream.name))
+        try:
+            yield
+        finally:
+            self.active = previous
+            self.log.append(("exit", stream.name))
+
+    def record_stream(self, tensor, stream) -> None:
+        self.log.append(("record_stream", stream.name))
+
+    def pin(self, tensor):
+        out = tensor.clone()
+        self.pinned.add(out.untyped_storage().data_ptr())
+        return out
+
+    def is_pinned(self, tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.pinned
+
+    def empty_pinned(self, shape, dtype=torch.float32):
+        self.log.append(("alloc_pinned", tuple(shape)))
+        return self.pin(torch.empty(shape, dtype=dtype))
+
+
+# --- phase timing ---------------------------------------------------------------
+def test_phase_timer_reads_events_at_log_time_and_never_synchronizes_the_device(monkeypatch):
+    def no_sync(*a, **k):
+        raise AssertionError("torch.cuda.synchronize() during a step")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    runtime = RecordingRuntime()
+    timer = PhaseTimer(torch.device("cpu"), runtime)
+    for step in range(3):
+        for name, seconds in (("embedding_forward", 0.25), ("backward", 0.5)):
+            with timer.phase(name):
+                Clock.now += seconds
+    assert not [e for e in runtime.log if e[0] == "synchronize"]  # nothing waited while the steps ran
+    assert all(e[2] is runtime.compute for e in runtime.log if e[0] == "record")
+    timer.collect()
+    assert [e for e in runtime.log if e[0] == "synchronize"] == [("synchronize", "e12")]  # only the last end
+    assert timer.seconds == pytest.approx({"embedding_forward": 0.75, "backward": 1.5})
+    with timer.phase("backward"):
+        Clock.now += 0.125
+    assert timer.seconds["backward"] == pytest.approx(1.625)  # reading the report collects the rest
+
+
+def test_phase_timer_on_the_host_clock_measures_wall_time():
+    import time
+
+    timer = PhaseTimer(torch.device("cpu"))
+    with timer.phase("data_wait"):
+        time.sleep(0.02)
+    assert 0.015 < timer.seconds["data_wait"] < 1.0
+
+
+# --- batches to the device ----------------------------------------------------------
+def _planned_batches(dedup: bool = False) -> tuple[list[Batch], object]:
+    model, _ = build({"kind": "device"})
+    batches = make_batches(3, max_len=2)
+    if dedup:  # repeated bags, deduplicated: plans over unique bags
+        batches = [Batch(b.dense, dedup_kjt(b.sparse), b.labels) for b in batches]
+    return [model.embeddings.plan(b) for b in batches], model
+
+
+def _host_tensors(batch: Batch) -> list[torch.Tensor]:
+    out = []
+    batch.apply(lambda t: out.append(t) or t)
+    for plan in batch.extras.get(PLANS, ()):
+        plan.moved(lambda t: out.append(t) or t)
+    return out
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_batches_are_pinned_on_the_loader_thread_and_copied_on_the_copy_stream(dedup):
+    batches, _ = _planned_batches(dedup)
+    runtime = RecordingRuntime("meta")  # the meta device: real moves, no memory
+    copier = BatchCopier(torch.device("meta"), runtime)
+    pin = pinning(runtime)
+    for batch in batches:
+        pinned = pin(batch)
+        assert all(runtime.is_pinned(t) for t in _host_tensors(pinned))
+        runtime.log.clear()
+        moved = copier.to_device(pinned)
+        n = len(_host_tensors(pinned))
+        on_device = _host_tensors(Batch(moved.dense, moved.sparse, moved.labels))
+        for plan in moved.extras[PLANS]:
+            plan.apply(lambda t: on_device.append(t) or t)
+            on_device.append(plan.unique_device)
+            assert plan.unique.device.type == "cpu"  # the caches and host stores index with it
+        assert len(on_device) == n and all(t.device.type == "meta" for t in on_device)
+        # Copies inside the copy stream, its event recorded there, then the compute stream waits for it.
+        assert runtime.log[0] == ("enter", "side1")
+        record = runtime.log.index(("record", f"e{runtime.events}", copier.stream))
+        assert runtime.log[record + 1] == ("exit", "side1")
+        assert runtime.log[record + 2] == ("wait", "compute", f"e{runtime.events}")
+        assert runtime.log[record + 3:] == [("record_stream", "compute")] * n
+    assert copier.pageable_copies == 0
+    copier.to_device(batches[0])  # never pinned: every copy would block
+    assert copier.pageable_copies == len(_host_tensors(batches[0]))
+
+
+def test_copier_is_a_pass_through_on_cpu():
+    batches, _ = _planned_batches()
+    assert BatchCopier(torch.device("cpu")).to_device(batches[0]) is batches[0]
+
+
+def test_pinned_batches_train_like_unpinned_ones():
+    """The pinned copy (and its plans) is the same batch: one step on each gives equal rows."""
+    batches, model = _planned_batches(dedup=True)
+    pinned = pinning(RecordingRuntime())(batches[0])
+    outs = []
+    for b in (batches[0], pinned):
+        outs.append(model.embeddings(b))
+        model.embeddings.pending().clear()
+    assert torch.equal(outs[0], outs[1])
+
+
+# --- the host placement's staging buffers ----------------------------------------------
+def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_after_its_copy():
+    runtime = RecordingRuntime()
+    reference, _ = build({"kind": "uvm"}, optimizer="adagrad")
+    staged, _ = build({"kind": "uvm"}, optimizer="adagrad")
+    group = staged.embeddings.groups[0]
+    group.staging = group.make_staging(runtime)
+    for batch in make_batches(6):
+        for model in (reference, staged):
+            pooled = model.embeddings(batch)
+            (pooled.float() ** 2).sum().backward()
+            model.embeddings.step()
+    for name in FEATURES:
+        assert torch.equal(staged.embeddings.table_state()[name]["weights"],
+                           reference.embeddings.table_state()[name]["weights"])
+    rows, state = group.staging
+    assert rows.allocations <= 3 and state.allocations <= 3  # grows to the largest batch, then reused
+    # Every rewrite of a buffer after the first waited on the event recorded after its last copy.
+    recorded: set[str] = set()
+    for entry in runtime.log:
+        if entry[0] == "record":
+            recorded.add(entry[1])
+        if entry[0] == "synchronize":
+            assert entry[1] in recorded
+    syncs = sum(1 for e in runtime.log if e[0] == "synchronize")
+    assert syncs == 2 * 6 - 2  # rows and state buffers, every step but the first
+
+
+def test_staging_grows_geometrically_and_hands_out_views_of_one_buffer():
+    from recsys_cli.device import PinnedStaging
+
+    staging = PinnedStaging(RecordingRuntime(), dim=4)
+    first = staging.take(100)
+    staging.to_device(first, torch.device("cpu"))
+    again = staging.take(80)
+    assert again.data_ptr() == first.data_ptr() and staging.allocations == 1
+    staging.to_device(again, torch.device("cpu"))
+    staging.take(120)
+    assert staging.allocations == 2 and staging.buffer.shape[0] == 150
+    copy = staging.to_device(staging.take(10).fill_(1.0), torch.device("cpu"))
+    staging.take(10).fill_(2.0)
+    assert torch.equal(copy, torch.ones(10, 4))  # a copy, never an alias of the buffer
+
+
+def test_device_runs_of_the_host_placement_match_cpu():
+    """RECSYS_TEST_DEVICE=cuda: pinned batches copied on the copy stream and
+    host rows staged give the CPU's rows (to float tolerance)."""
+    if TEST_DEVICE.type == "cpu":
+        pytest.skip("runs with RECSYS_TEST_DEVICE=cuda (make gpu-check)")
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import PlacementConfig, PrecisionConfig
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import build_embeddings
+
+    batches, _ = _planned_batches()
+    got = []
+    for device in (torch.device("cpu"), TEST_DEVICE):
+        emb = build_embeddings(FEATURES, VOCAB, 8, OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "uvm"}),
+                               OmegaConf.structured(PrecisionConfig), RowOptimizer("adagrad", 0.1), device, 0)
+        copier = BatchCopier(device)
+        for batch in batches:
+            b = copier.to_device(pinning(copier.runtime)(batch))
+            (emb(b) ** 2).sum().backward()
+            emb.step()
+        got.append(emb.table_state())
+    assert copier.pageable_copies == 0
+    for name in FEATURES:
+        torch.testing.assert_close(got[1][name]["weights"], got[0][name]["weights"], rtol=1e-5, atol=1e-6)
+
+
+# --- memory from the allocators ---------------------------------------------------------
+def test_bytes_per_tier_come_from_the_allocators_where_there_are_any():
+    from recsys_cli.device import allocated_by
+
+    class Allocators(RecordingRuntime):
+        held = {"device": 1000, "device_peak": 1000, "pinned_host": 50, "pinned_host_peak": 50}
+
+        def allocated(self):
+            return dict(self.held)
+
+    runtime = Allocators()
+
+    def build():
+        runtime.held["device"] += 4096
+        runtime.held["pinned_host"] += 123
+        return "built"
+
+    assert allocated_by(runtime, build) == ("built", {"device": 4096, "pinned_host": 123})
+    assert allocated_by(HostRuntime(), lambda: "cpu") == ("cpu", None)  # CPU: RSS is the measure

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify bench clean
+.PHONY: setup train test verify bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ verify: setup
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)
+
+# The device check (README, GPU): tests on CUDA, exactness and determinism on
+# CUDA, placement timings and prefetch overlap; needs one CUDA GPU, ~8 minutes.
+gpu-check: setup
+	$(BIN)/python -m bench.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -54,6 +54,8 @@ class HostStream:
 class HostRuntime:
     """The CPU twin: one stream, events on the host clock, no pinning."""
 
+    pins_host = False  # whether host memory the device reads should be page-locked
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._stream = HostStream()
@@ -90,6 +92,7 @@ class HostRuntime:
 
 
 class CudaRuntime(HostRuntime):
+    pins_host = True
     def event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing)
 

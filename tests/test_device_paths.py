@@ -97,7 +97,10 @@ class RecordingRuntime(HostRuntime):
     def record_stream(self, tensor, stream) -> None:
         self.log.append(("record_stream", stream.name))
 
+    pins_host = True  # it stands in for a CUDA runtime
+
     def pin(self, tensor):
+        self.log.append(("pin", tensor.numel() * tensor.element_size()))
         out = tensor.clone()
         self.pinned.add(out.untyped_storage().data_ptr())
         return out
@@ -106,8 +109,10 @@ class RecordingRuntime(HostRuntime):
         return tensor.untyped_storage().data_ptr() in self.pinned
 
     def empty_pinned(self, shape, dtype=torch.float32):
-        self.log.append(("alloc_pinned", tuple(shape)))
-        return self.pin(torch.empty(shape, dtype=dtype))
+        out = torch.empty(shape, dtype=dtype)
+        self.log.append(("alloc_pinned", out.numel() * out.element_size()))
+        self.pinned.add(out.untyped_storage().data_ptr())
+        return out
 
 
 # --- phase timing ---------------------------------------------------------------
@@ -293,3 +298,28 @@ def test_bytes_per_tier_come_from_the_allocators_where_there_are_any():
 
     assert allocated_by(runtime, build) == ("built", {"device": 4096, "pinned_host": 123})
     assert allocated_by(HostRuntime(), lambda: "cpu") == ("cpu", None)  # CPU: RSS is the measure
+
+
+@pytest.mark.parametrize("kind, precision", [("uvm", "fp32"), ("lookahead", "fp32"), ("cache", "int8"), ("uvm", "int4")])
+def test_a_host_table_is_pinned_once_in_place_never_copied_to_pin(kind, precision):
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import PlacementConfig, PrecisionConfig
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import make_group
+    from recsys_cli.embeddings.tables import TableSpec, init_table
+
+    specs = [TableSpec("a", 500, 8), TableSpec("b", 300, 8)]
+    weights = torch.cat([init_table(t, 0) for t in specs])
+    runtime = RecordingRuntime()
+    place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": kind, "cache_rows": 100})
+    prec = OmegaConf.merge(OmegaConf.structured(PrecisionConfig), {"kind": precision})
+    group = make_group(kind, precision, specs, weights, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
+                       runtime=runtime)
+    store = group.store
+    assert not [e for e in runtime.log if e[0] == "pin"]  # nothing pinned by copying
+    assert sum(e[1] for e in runtime.log if e[0] == "alloc_pinned") == store.nbytes()  # exactly one copy
+    assert all(runtime.is_pinned(t) for t in [*store.rows.tensors().values(), store.state])
+    unpinned = make_group(kind, precision, specs, weights, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0)
+    for k, v in unpinned.store.rows.tensors().items():  # the same table either way
+        assert torch.equal(store.rows.tensors()[k], v)

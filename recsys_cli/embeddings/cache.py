@@ -56,9 +56,15 @@ without a slot, and, after every prepare, that slot and row maps agree.
 Concurrency: the lookahead prefetcher calls prepare() on its own thread while
 the trainer gathers, updates and releases; one lock guards the slot maps and
 a condition variable wakes a prefetcher waiting for completed batches. On
-CUDA the fill copies run on a side stream from pinned host memory; plan.ready
-is the event the trainer waits on, and evictions wait for the trainer's last
-release.
+CUDA the fill copies run on a side stream from pinned staging buffers.
+Ordering is by events, through the device runtime (device.py), so CPU tests
+check it with a recording runtime: every reader of a slot waits for its fill
+(gather on plan.ready, read() and snapshots on the last fill, recorded with
+the lock held, when the slot map is published), and every load or write-back
+of a slot waits for its last use on the compute stream (`last_use`: recorded
+at release and by write_slots, which cache_avg's averages go through). The
+step indexes device tensors only with index tensors built on the host in
+prepare: a boolean mask on a CUDA tensor is a nonzero, a device sync.
 """
 
 from __future__ import annotations
@@ -68,9 +74,11 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
+from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
@@ -91,6 +99,19 @@ class PrefetchStopped(RuntimeError):
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
     slots = cache_rows if cache_rows is not None else int(round(num_rows * cache_ratio))
     return max(1, min(num_rows, slots))
+
+
+@dataclass
+class _Split:
+    """A low-precision plan's rows: cached_at (positions in plan.unique) are
+    served from cached_slots, direct_at from the store rows direct_rows.
+    Device index tensors except cached_slots_host and direct_rows."""
+
+    cached_at: torch.Tensor
+    cached_slots: torch.Tensor
+    cached_slots_host: torch.Tensor
+    direct_at: torch.Tensor
+    direct_rows: torch.Tensor
 
 
 class CachedGroup(TableGroup):
@@ -136,11 +157,48 @@ class CachedGroup(TableGroup):
         self.stop = threading.Event()
         self.stats_ = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
-        self.side_stream = torch.cuda.Stream(dev) if (dev.type == "cuda" and lookahead) else None
-        self.last_release = None
+        self.use_runtime(runtime_for(dev), side_stream=dev.type == "cuda" and lookahead)
         # Distributed cache_avg: called by prepare (lock held) when only rows
         # awaiting a cross-rank average could make room; asks for one.
         self.on_starved = None
+
+    def use_runtime(self, runtime, side_stream: bool = True) -> None:
+        """Streams, events and staging buffers from `runtime` (tests install a
+        recording one); fills run on a side stream when side_stream is True."""
+        self.runtime = runtime
+        self.side_stream = runtime.new_stream() if side_stream else None
+        self.last_use = None  # the compute stream's last read or write of slots
+        self.last_fill = None  # the side stream's last fill
+        # Host rows go to the device through pinned buffers: one pair for fills
+        # (prefetch thread), one for rows the store serves in the step (trainer).
+        staged = self.store.device.type == "cpu" and (side_stream or self.device.type != "cpu")
+        cols = self.store.state.shape[1]
+        self.fill_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+        self.step_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+
+    def _to_device(self, t: torch.Tensor, staging: PinnedStaging | None = None) -> torch.Tensor:
+        """A host tensor on the device, through a pinned staging buffer if given."""
+        if staging is None:
+            return t.to(self.device, non_blocking=True)
+        view = staging.take(t.shape[0])
+        view.copy_(t)
+        return staging.to_device(view, self.device)
+
+    def _record_fill(self) -> None:
+        if self.side_stream is not None:
+            self.last_fill = self.runtime.event()
+            self.last_fill.record(self.side_stream)
+
+    def _wait_fills(self) -> None:
+        """The current stream waits for every fill so far (readers outside a plan)."""
+        if self.last_fill is not None:
+            self.runtime.current_stream().wait_event(self.last_fill)
+
+    def _used(self) -> None:
+        """The compute stream just read or wrote slots: later loads and write-backs wait for it."""
+        if self.side_stream is not None:
+            self.last_use = self.runtime.event()
+            self.last_use.record(self.runtime.current_stream())
 
     # --- filling -------------------------------------------------------------
     def prepare(self, plan: LookupPlan) -> None:
@@ -207,11 +265,24 @@ class CachedGroup(TableGroup):
                 self.check_ownership()
         plan.slots = slots
         plan.extras["batch_index"] = index
-        plan.extras["slots_device"] = slots.to(self.device, non_blocking=True)
-        if self.side_stream is not None:
-            plan.ready = torch.cuda.Event()
-            plan.ready.record(self.side_stream)
+        with self._stream():  # after this batch's fills, on the same stream
+            plan.extras["slots_device"] = self._to_device(self.runtime.pin(slots))
+            if not self.admit_all:
+                plan.extras["split"] = self._split(plan.unique, slots)
+            if self.side_stream is not None:
+                plan.ready = self.runtime.event()
+                plan.ready.record(self.side_stream)
         self.stats_["prepare_seconds"] += time.perf_counter() - start
+
+    def _split(self, unique: torch.Tensor, slots: torch.Tensor) -> "_Split":
+        """Where a low-precision plan's rows come from, as index tensors built
+        here on the host: no boolean mask ever indexes a device tensor."""
+        resident = slots >= 0
+        cached_at = torch.nonzero(resident).flatten()
+        direct_at = torch.nonzero(~resident).flatten()
+        move = lambda t: self._to_device(self.runtime.pin(t))  # noqa: E731
+        return _Split(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
+                      direct_at=move(direct_at), direct_rows=unique[direct_at].to(self.store.device))
 
     def _wait_completed(self, count: int) -> None:
         """Wait (lock held) until the trainer has completed `count` batches."""
@@ -311,14 +382,14 @@ class CachedGroup(TableGroup):
         self.stats_["rows_evicted"] += count
 
     def _stream(self):
-        return torch.cuda.stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
+        return self.runtime.use_stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
 
     def _write_back(self, slots: torch.Tensor, step: int) -> None:
         if slots.numel() == 0:
             return
         with self._stream():
-            if self.side_stream is not None and self.last_release is not None:
-                self.side_stream.wait_event(self.last_release)
+            if self.side_stream is not None and self.last_use is not None:
+                self.side_stream.wait_event(self.last_use)  # after the last write of these slots (updates, averages)
             dev_slots = slots.to(self.device)
             rows = self.cache_rows.index_select(0, dev_slots).to("cpu" if self.store.device.type == "cpu" else self.store.device)
             state = self.cache_state.index_select(0, dev_slots).to(rows.device)
@@ -337,12 +408,14 @@ class CachedGroup(TableGroup):
         if self.debug:
             assert bool((self.slot_of_row[rows] < 0).all()), "loading a row that already has a slot"
         values, state = self.store.read(rows.to(self.store.device))
+        staging = self.fill_staging or (None, None)
         with self._stream():
-            if self.side_stream is not None and self.last_release is not None:
-                self.side_stream.wait_event(self.last_release)
-            dev_slots = slots.to(self.device, non_blocking=True)
-            self.cache_rows.index_copy_(0, dev_slots, values.to(self.device, non_blocking=True))
-            self.cache_state.index_copy_(0, dev_slots, state.to(self.device, non_blocking=True))
+            if self.side_stream is not None and self.last_use is not None:
+                self.side_stream.wait_event(self.last_use)  # the slots' previous rows are no longer read
+            dev_slots = self._to_device(self.runtime.pin(slots))
+            self.cache_rows.index_copy_(0, dev_slots, self._to_device(values, staging[0]))
+            self.cache_state.index_copy_(0, dev_slots, self._to_device(state, staging[1]))
+            self._record_fill()  # before the slot map below makes the rows readable
         self.slot_of_row[rows] = slots.to(torch.int32)
         self.row_of_slot[slots] = rows
         self.dirty[slots] = False
@@ -351,58 +424,61 @@ class CachedGroup(TableGroup):
             self.stats_["bytes_to_device"] += values.numel() * 4 + state.numel() * 4
 
     # --- the step --------------------------------------------------------------
-    def _resident(self, plan: LookupPlan) -> torch.Tensor | None:
-        """Mask of cache-served rows, or None when all are cached."""
+    def _plan_split(self, plan: LookupPlan) -> "_Split | None":
+        """Where the plan's rows are served from, or None when all are cached."""
         if plan.slots is None:
             raise RuntimeError("a cached group's plan was not prepared")
-        if self.admit_all:
-            return None
-        return plan.slots >= 0
+        return None if self.admit_all else plan.extras["split"]
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
         if plan.ready is not None:
-            torch.cuda.current_stream().wait_event(plan.ready)
+            self.runtime.current_stream().wait_event(plan.ready)
         slots_dev = plan.extras["slots_device"]
-        mask = self._resident(plan)
-        if mask is None:
+        split = self._plan_split(plan)
+        if split is None:
             return self.cache_rows.index_select(0, slots_dev)
+        staging = self.step_staging or (None, None)
         rows = torch.empty(plan.num_unique, self.dim, device=self.device)
-        mask_dev = mask.to(self.device)
-        rows[mask_dev] = self.cache_rows.index_select(0, slots_dev[mask_dev])
-        rows[~mask_dev] = self.store.rows.read(plan.unique[~mask].to(self.store.device)).to(self.device)
+        rows.index_copy_(0, split.cached_at, self.cache_rows.index_select(0, split.cached_slots))
+        rows.index_copy_(0, split.direct_at, self._to_device(self.store.rows.read(split.direct_rows), staging[0]))
         return rows
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
         slots_dev = plan.extras["slots_device"]
-        mask = self._resident(plan)
-        if mask is None:
+        split = self._plan_split(plan)
+        if split is None:
             state = self.cache_state.index_select(0, slots_dev)
             rows, state = self.optimizer.step(rows, state, grad)
             self.cache_rows.index_copy_(0, slots_dev, rows)
             self.cache_state.index_copy_(0, slots_dev, state)
             self.dirty[plan.slots] = True
             return
-        mask_dev = mask.to(self.device)
-        cached = slots_dev[mask_dev]
-        state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
-        state[mask_dev] = self.cache_state.index_select(0, cached)
-        direct = plan.unique[~mask].to(self.store.device)
+        direct = split.direct_rows
         if self.debug:
             assert bool((self.slot_of_row[direct.cpu()] < 0).all()), "a row served by the store has a slot"
-        state[~mask_dev] = self.store.state.index_select(0, direct).to(self.device)
+        staging = self.step_staging or (None, None)
+        state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
+        state.index_copy_(0, split.cached_at, self.cache_state.index_select(0, split.cached_slots))
+        state.index_copy_(0, split.direct_at, self._to_device(self.store.state.index_select(0, direct), staging[1]))
         rows, state = self.optimizer.step(rows, state, grad)
-        self.cache_rows.index_copy_(0, cached, rows[mask_dev])
-        self.cache_state.index_copy_(0, cached, state[mask_dev])
-        self.dirty[plan.slots[mask]] = True
-        self.store.write(direct, rows[~mask_dev].to(self.store.device), state[~mask_dev].to(self.store.device),
-                         plan.extras["batch_index"])
+        self.cache_rows.index_copy_(0, split.cached_slots, rows.index_select(0, split.cached_at))
+        self.cache_state.index_copy_(0, split.cached_slots, state.index_select(0, split.cached_at))
+        self.dirty[split.cached_slots_host] = True
+        self.store.write(direct, rows.index_select(0, split.direct_at).to(self.store.device),
+                         state.index_select(0, split.direct_at).to(self.store.device), plan.extras["batch_index"])
+
+    def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Overwrite cached rows on the current stream (cache_avg's averages);
+        a later write-back or load of these slots waits for this write."""
+        dev = slots.to(self.device)
+        self.cache_rows.index_copy_(0, dev, rows)
+        self.cache_state.index_copy_(0, dev, state)
+        self._used()
 
     def release(self, plan: LookupPlan) -> None:
         if plan.slots is None:
             return
-        if self.device.type == "cuda" and self.side_stream is not None:
-            self.last_release = torch.cuda.Event()
-            self.last_release.record(torch.cuda.current_stream())
+        self._used()  # every read and write of the plan's slots is enqueued before this
         with self.cond:
             resident = plan.slots[plan.slots >= 0]
             self.pins[resident] -= 1
@@ -420,12 +496,15 @@ class CachedGroup(TableGroup):
             self.cond.notify_all()
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Current rows, for evaluation: resident ones from their slots, once
+        their fills have landed (the prefetcher may still be filling)."""
         with self.cond:
             slots = self.slot_of_row[ids].to(torch.int64)
-            hit = slots >= 0
+            hit_at = torch.nonzero(slots >= 0).flatten()  # host index tensors: no mask on a device tensor
             rows = self.store.rows.read(ids.to(self.store.device)).to(self.device)
-            if bool(hit.any()):
-                rows[hit.to(self.device)] = self.cache_rows.index_select(0, slots[hit].to(self.device))
+            if hit_at.numel():
+                self._wait_fills()
+                rows.index_copy_(0, hit_at.to(self.device), self.cache_rows.index_select(0, slots[hit_at].to(self.device)))
             return rows
 
     # --- whole tables ------------------------------------------------------------
@@ -443,6 +522,7 @@ class CachedGroup(TableGroup):
         if rows.numel() == 0:
             return
         dev_slots = slots.to(self.device)
+        self._wait_fills()
         values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
         encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
         local = rows - lo
@@ -460,6 +540,7 @@ class CachedGroup(TableGroup):
                 raise RuntimeError("a cache snapshot needs every prepared batch released")
             dirty_rows = self.row_of_slot[self.dirty]
             ids = dirty_rows.to(self.store.device)
+            self._wait_fills()
             return {
                 "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
                 "tables": [(t.name, t.num_rows) for t in self.tables],

@@ -27,9 +27,12 @@ class RowOptimizer:
     def has_state(self) -> bool:
         return self.name == "adagrad"
 
-    def initial_state(self, num_rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """One fp32 accumulator per row for Adagrad, an empty column for SGD."""
+    def initial_state(self, num_rows: int, device: torch.device | str = "cpu", empty=None) -> torch.Tensor:
+        """One fp32 accumulator per row for Adagrad, an empty column for SGD;
+        empty(shape, dtype) allocates it (pinned host memory)."""
         width = 1 if self.has_state else 0
+        if empty is not None:
+            return empty((num_rows, width), torch.float32).fill_(self.initial_accumulator)
         return torch.full((num_rows, width), self.initial_accumulator, dtype=torch.float32, device=device)
 
     def step(self, rows: torch.Tensor, state: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import torch
 
+from recsys_cli.device import runtime_for
 from recsys_cli.embeddings.collection import EmbeddingCollection
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.store import RowStore
@@ -85,17 +86,18 @@ def build_embeddings(
 
 
 def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None,
-               table_rows=None):
+               table_rows=None, runtime=None):
     names = [t.name for t in specs]
     kind = canonical(kind)
     host = kind in ("host", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
+    runtime = runtime or runtime_for(device)
+    # A host table on a CUDA run lives in pinned memory, allocated so and built in place: one copy, not two.
+    empty = runtime.empty_pinned if host and runtime.pins_host else None
     store = RowStore(
-        weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device),
-        table_precision, precision.rounding, seed, table_rows,
+        weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device, empty),
+        table_precision, precision.rounding, seed, table_rows, empty,
     )
-    if host and device.type == "cuda":
-        store.pin_memory()
     args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
     if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots

@@ -170,9 +170,6 @@ class QuantizedRows:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def pin_memory(self) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, t.pin_memory())
 
     def _store(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor]) -> None:
         for name, t in self.tensors().items():
@@ -182,8 +179,8 @@ class QuantizedRows:
 class FP32Rows(QuantizedRows):
     precision = "fp32"
 
-    def __init__(self, num_rows: int, dim: int, device: torch.device | str = "cpu") -> None:
-        self.weights = torch.empty(num_rows, dim, device=device)
+    def __init__(self, num_rows: int, dim: int, device: torch.device | str = "cpu", empty=None) -> None:
+        self.weights = _allocator(device, empty)((num_rows, dim), torch.float32)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.index_select(0, ids)
@@ -201,9 +198,9 @@ class FP32Rows(QuantizedRows):
 class FP16Rows(QuantizedRows):
     precision = "fp16"
 
-    def __init__(self, num_rows: int, dim: int, rounding: str, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_rows: int, dim: int, rounding: str, device: torch.device | str = "cpu", empty=None) -> None:
         self.rounding = rounding
-        self.weights = torch.empty(num_rows, dim, dtype=torch.float16, device=device)
+        self.weights = _allocator(device, empty)((num_rows, dim), torch.float16)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.index_select(0, ids).float()
@@ -220,14 +217,16 @@ class FP16Rows(QuantizedRows):
 
 
 class IntRows(QuantizedRows):
-    def __init__(self, num_rows: int, dim: int, bits: int, rounding: str, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_rows: int, dim: int, bits: int, rounding: str, device: torch.device | str = "cpu",
+                 empty=None) -> None:
         if bits == 4 and dim % 2:
             raise ValueError(f"int4 rows need an even embedding dim, got {dim}")
         self.bits, self.rounding = bits, rounding
         self.precision = f"int{bits}"
         width = dim // 2 if bits == 4 else dim
-        self.codes = torch.empty((num_rows, width), dtype=torch.uint8, device=device)
-        self.scale_bias = torch.empty((num_rows, 2), dtype=torch.float16, device=device)
+        empty = _allocator(device, empty)
+        self.codes = empty((num_rows, width), torch.uint8)
+        self.scale_bias = empty((num_rows, 2), torch.float16)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.codes.index_select(0, ids), self.scale_bias.index_select(0, ids), self.bits)
@@ -244,15 +243,21 @@ class IntRows(QuantizedRows):
         return {"codes": self.codes, "scale_bias": self.scale_bias}
 
 
+def _allocator(device, empty):
+    """empty(shape, dtype): the given allocator (pinned host memory), else torch.empty on `device`."""
+    return empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+
+
 def empty_rows(num_rows: int, dim: int, precision: str, rounding: str = "stochastic",
-               device: torch.device | str = "cpu") -> QuantizedRows:
-    """Uninitialised rows of one precision (fill them with write)."""
+               device: torch.device | str = "cpu", empty=None) -> QuantizedRows:
+    """Uninitialised rows of one precision (fill them with write); `empty`
+    allocates them elsewhere than torch.empty (pinned host memory, in place)."""
     if precision == "fp32":
-        return FP32Rows(num_rows, dim, device)
+        return FP32Rows(num_rows, dim, device, empty)
     if precision == "fp16":
-        return FP16Rows(num_rows, dim, rounding, device)
+        return FP16Rows(num_rows, dim, rounding, device, empty)
     if precision in ("int8", "int4"):
-        return IntRows(num_rows, dim, int(precision[3:]), rounding, device)
+        return IntRows(num_rows, dim, int(precision[3:]), rounding, device, empty)
     raise ValueError(f"unknown precision {precision!r}")
 
 

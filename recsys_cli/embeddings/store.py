@@ -27,10 +27,14 @@ class RowStore:
         rounding: str = "stochastic",
         seed: int = 0,
         table_rows: list[tuple[int, int]] | None = None,
+        empty=None,
     ) -> None:
         """weights: fp32 [rows, dim] initial values; state: fp32 [rows, 0|1];
         table_rows: (table number, rows) of the fused tables in order, the
-        tables' identity for rounding keys (default: one table numbered 0)."""
+        tables' identity for rounding keys (default: one table numbered 0);
+        empty(shape, dtype): allocates the rows (pinned host memory on CUDA
+        runs: the one copy of a host table is built in place, never pinned
+        by copying)."""
         self.num_rows, self.dim = weights.shape
         self.seed = seed
         self.device = weights.device
@@ -38,7 +42,7 @@ class RowStore:
         sizes = torch.tensor([n for _, n in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
         self._table_number = torch.tensor([t for t, _ in table_rows], dtype=torch.int64)
-        self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device)
+        self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
         for start in range(0, self.num_rows, CHUNK_ROWS):
             ids = torch.arange(start, min(self.num_rows, start + CHUNK_ROWS), device=self.device)
             self.rows.write(ids, weights[ids], self.key(ids, INIT_STEP))
@@ -78,6 +82,3 @@ class RowStore:
     def nbytes(self) -> int:
         return self.rows.nbytes() + self.state.numel() * self.state.element_size()
 
-    def pin_memory(self) -> None:
-        self.rows.pin_memory()
-        self.state = self.state.pin_memory()

@@ -217,8 +217,7 @@ class EmbeddingSync:
                     dev = slots.to(g.device)
                     buf = torch.cat([g.cache_rows.index_select(0, dev), g.cache_state.index_select(0, dev)], 1)
                     all_reduce_mean([buf], self.ctx.group)
-                    g.cache_rows.index_copy_(0, dev, buf[:, : g.dim].contiguous())
-                    g.cache_state.index_copy_(0, dev, buf[:, g.dim :].contiguous())
+                    g.write_slots(slots, buf[:, : g.dim], buf[:, g.dim :])  # write-backs wait for this write
                 with g.cond:
                     replica.unsynced[slots] = False
                     g.dirty[slots] = True  # the averaged value must reach the table

@@ -1,0 +1,128 @@
+"""The cache's CUDA ordering, checked on CPU through a recording runtime:
+readers wait for the fill of what they read, loads and write-backs wait for
+the last use of their slots (cache_avg's averages included), and the step
+never indexes a device tensor with a boolean mask."""
+
+from __future__ import annotations
+
+import torch
+from embedding_harness import build, make_batches
+from test_device_paths import RecordingRuntime
+from torch.overrides import TorchFunctionMode
+
+from recsys_cli.embeddings.cache import CachedGroup
+
+
+def _group(placement: dict, precision: dict | None = None, optimizer: str = "adagrad"):
+    model, _ = build(placement, precision, optimizer=optimizer)
+    groups = [g for g in model.embeddings.groups if isinstance(g, CachedGroup)]
+    assert len(groups) == 1
+    return model, groups[0]
+
+
+def _step(model, group: CachedGroup, batch) -> None:
+    """One training step of the embeddings, the plan prepared on this thread."""
+    plan = batch.extras["plans"][0]
+    if not group.lookahead:
+        group.prepare(plan)
+    pooled = model.embeddings(batch)
+    (pooled.float() ** 2).sum().backward()
+    model.embeddings.step()
+    model.embeddings.release(batch)
+
+
+def test_readers_wait_for_the_fill_recorded_before_the_rows_are_published():
+    model, group = _group({"kind": "lookahead", "cache_rows": 400, "window": 2})
+    runtime = RecordingRuntime()
+    group.use_runtime(runtime, side_stream=True)
+    mapped_at_fill = []
+    record = runtime.event
+
+    def event(timing=False):  # at every record on the side stream: which rows were readable then
+        e = record(timing)
+        inner = e.record
+
+        def recorded(stream=None):
+            if stream is group.side_stream:
+                mapped_at_fill.append((group.slot_of_row >= 0).clone())
+            inner(stream)
+
+        e.record = recorded
+        return e
+
+    runtime.event = event
+    batch = model.embeddings.plan(make_batches(1)[0])
+    plan = batch.extras["plans"][0]
+    group.prepare(plan)
+    assert not bool(mapped_at_fill[0][plan.unique].any())  # the fill's event came before the slot map
+    fill = group.last_fill.name
+    runtime.log.clear()
+    group.read(plan.unique)  # an evaluation while the prefetcher fills
+    assert ("wait", "compute", fill) in runtime.log
+    runtime.log.clear()
+    group.gather(plan)
+    assert runtime.log[0] == ("wait", "compute", plan.ready.name)
+    model.embeddings.pending().clear()
+
+
+def test_loads_and_write_backs_wait_for_the_last_use_of_their_slots_cache_avg_averages_included():
+    model, group = _group({"kind": "lookahead", "cache_rows": 150, "window": 1})
+    runtime = RecordingRuntime()
+    group.use_runtime(runtime, side_stream=True)
+    averaged = []
+    for batch in make_batches(12):
+        batch = model.embeddings.plan(batch)
+        group.prepare(batch.extras["plans"][0])
+        _step(model, group, batch)
+        # cache_avg: after the step, averaged rows are written into their slots (and made dirty).
+        slots = torch.nonzero(group.row_of_slot >= 0).flatten()[:5]
+        group.write_slots(slots, group.cache_rows[slots] * 0.5, group.cache_state[slots])
+        group.dirty[slots] = True
+        averaged.append(group.last_use.name)
+    assert group.stats()["rows_written_back"] > 0
+    last_compute, waits = None, []
+    for entry in runtime.log:
+        if entry[0] == "record" and entry[2] is runtime.compute:
+            last_compute = entry[1]
+        if entry[0] == "wait" and entry[1] == group.side_stream.name:
+            assert entry[2] == last_compute  # ordered after everything the compute stream did so far
+            waits.append(entry[2])
+    assert set(averaged[:-1]) <= set(waits)  # every average was waited for by the next fill or write-back
+
+
+class _MaskWatch(TorchFunctionMode):
+    """Records boolean-mask indexing and nonzero: on a CUDA tensor each is a device sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in ("__getitem__", "__setitem__"):
+            index = args[1]
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                self.seen.append(name)
+        if name in ("nonzero", "masked_select", "argwhere"):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_low_precision_step_indexes_with_host_built_index_tensors_only():
+    for placement in ({"kind": "cache", "cache_rows": 60}, {"kind": "lookahead", "cache_rows": 60, "window": 1}):
+        model, group = _group(placement, {"kind": "int8"})
+        served_by_store = 0
+        for batch in make_batches(6):
+            batch = model.embeddings.plan(batch)
+            plan = batch.extras["plans"][0]
+            group.prepare(plan)  # host bookkeeping: masks on host tensors are free
+            served_by_store += int((plan.slots < 0).sum())
+            watch = _MaskWatch()
+            with watch:  # gather, pooling, backward, update: the step's device work
+                pooled = model.embeddings(batch)
+                (pooled.float() ** 2).sum().backward()
+                model.embeddings.step()
+            assert watch.seen == [], (placement, watch.seen)
+            model.embeddings.release(batch)  # host bookkeeping
+        assert served_by_store > 0  # the split path (cache and store) ran

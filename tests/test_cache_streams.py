@@ -62,6 +62,7 @@ def test_readers_wait_for_the_fill_recorded_before_the_rows_are_published():
     runtime.log.clear()
     group.gather(plan)
     assert runtime.log[0] == ("wait", "compute", plan.ready.name)
+    assert runtime.log[1] == ("record_stream", "compute")  # slots_device, made on the side stream
     model.embeddings.pending().clear()
 
 

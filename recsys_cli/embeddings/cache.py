@@ -431,10 +431,14 @@ class CachedGroup(TableGroup):
         return None if self.admit_all else plan.extras["split"]
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
-        if plan.ready is not None:
-            self.runtime.current_stream().wait_event(plan.ready)
         slots_dev = plan.extras["slots_device"]
         split = self._plan_split(plan)
+        if plan.ready is not None:
+            compute = self.runtime.current_stream()
+            compute.wait_event(plan.ready)
+            # Made on the side stream, used on this one: the allocator must not reuse them early.
+            for t in (slots_dev,) if split is None else (slots_dev, split.cached_at, split.cached_slots, split.direct_at):
+                self.runtime.record_stream(t, compute)
         if split is None:
             return self.cache_rows.index_select(0, slots_dev)
         staging = self.step_staging or (None, None)

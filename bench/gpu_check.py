@@ -34,6 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
+from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import write_json_atomic
 from recsys_cli.train.trainer import Trainer
 
@@ -66,7 +67,7 @@ def config(cache_dir: Path, overrides: dict, *, rows: int, scale: float, batch: 
     cfg.trainer.max_steps = steps
     cfg.trainer.progress = False
     cfg.trainer.log_every = max(1, steps // 4)
-    cfg.trainer.checkpoint_every = 0
+    cfg.trainer.checkpoint_every = None
     cfg.optimizer.name = "adagrad"
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value)
@@ -148,32 +149,43 @@ def overlap_of(trace_path: Path) -> dict:
             "overlapped_share": share}
 
 
+def profiled(trainer: Trainer, trace: Path) -> tuple[dict, dict]:
+    """trainer.fit() with steps 20..27 traced by torch.profiler; (summary, overlap_of the trace)."""
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+        schedule=torch.profiler.schedule(wait=20, warmup=2, active=8, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
+    )
+    step = trainer.train_step
+
+    def traced(batch):
+        loss = step(batch)
+        prof.step()
+        return loss
+
+    trainer.train_step = traced
+    with prof:
+        summary = trainer.fit()
+    return summary, overlap_of(trace) if trace.exists() else {"ok": False, "reason": "no trace written"}
+
+
 def speed(cache_dir: Path, out_dir: Path, steps: int, rows: int, scale: float) -> tuple[dict, dict]:
     big = dict(rows=rows, scale=scale, batch=2048, steps=steps, kaggle=True)
     results, overlap = {}, {}
     for name, overrides in SPEED_SYSTEMS.items():
-        trainer = Trainer(config(cache_dir, overrides, **big))
-        profile = name == "lookahead 5 %"
-        if profile:  # steps 20..27 of this run, traced
-            trace = out_dir / "lookahead_trace.json"
-            prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                schedule=torch.profiler.schedule(wait=20, warmup=2, active=8, repeat=1),
-                on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
-            )
-            step = trainer.train_step
-
-            def traced(batch, step=step):
-                loss = step(batch)
-                prof.step()
-                return loss
-
-            trainer.train_step = traced
-            with prof:
+        try:
+            trainer = Trainer(config(cache_dir, overrides, **big))
+        except UserError as e:  # e.g. a 1 % cache smaller than one batch at a small --cardinality-scale
+            results[name] = {"error": str(e)}
+            continue
+        try:
+            if name == "lookahead 5 %":  # steps 20..27 of this run, traced
+                summary, overlap = profiled(trainer, out_dir / "lookahead_trace.json")
+            else:
                 summary = trainer.fit()
-            overlap = overlap_of(trace)
-        else:
-            summary = trainer.fit()
+        except UserError as e:
+            results[name] = {"error": str(e)}
+            continue
         results[name] = {
             "samples_per_second": summary["samples_per_second"],
             "phase_seconds": summary["phase_seconds"],
@@ -199,6 +211,9 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|"]
     base = report["speed"].get("device", {}).get("samples_per_second") or 0
     for name, r in report["speed"].items():
+        if "error" in r:
+            lines.append(f"| {name} | - | - | - | {r['error']} |")
+            continue
         rate = r["samples_per_second"] or 0
         lines.append(f"| {name} | {rate:,.0f} | {rate / base if base else 0:.2f} | "
                      f"{(r['peak_device_bytes'] or 0) / 2**20:,.0f} MiB | {r['pageable_host_to_device_copies']} |")
@@ -218,7 +233,7 @@ def main() -> None:
         print("gpu-check needs a CUDA device; none is available (it has not run)", file=sys.stderr)
         sys.exit(2)
     if args.quick:
-        args.steps, args.rows, args.cardinality_scale = 40, 100_000, 0.01
+        args.steps, args.rows, args.cardinality_scale = 40, 100_000, 0.1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(os.environ.get("RECSYS_CACHE") or tempfile.mkdtemp(prefix="recsys-gpu-check-"))

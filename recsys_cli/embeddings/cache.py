@@ -258,9 +258,10 @@ class CachedGroup(TableGroup):
             self.history.append((index, slots[resident], unique[~resident]))
             self._prune_history(index + 1 - self.window)
             n_hit = int(hit.sum())
-            self.stats_["hits"] += n_hit
-            self.stats_["misses"] += unique.numel() - n_hit
-            self.stats_["not_admitted"] += misses.numel() - need
+            # Counted when the batch is released, not here: the prefetcher runs
+            # ahead by however far thread timing lets it, and metrics.jsonl's
+            # hit rate must be a function of the batches trained.
+            plan.extras["lookup_counts"] = (n_hit, unique.numel() - n_hit, misses.numel() - need)
             if self.debug:
                 self.check_ownership()
         plan.slots = slots
@@ -487,6 +488,10 @@ class CachedGroup(TableGroup):
             resident = plan.slots[plan.slots >= 0]
             self.pins[resident] -= 1
             self.inflight -= 1
+            hits, misses, not_admitted = plan.extras.pop("lookup_counts", (0, 0, 0))
+            self.stats_["hits"] += hits
+            self.stats_["misses"] += misses
+            self.stats_["not_admitted"] += not_admitted
             if self.completes_on_release:
                 self.completed += 1
             self.cond.notify_all()

@@ -67,7 +67,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     trainer = Trainer(cfg, run_dir=run_dir, console=console)
     summary = trainer.fit()
     console.print(summary_table(summary))
-    console.print(f"run directory: {run_dir}")
+    console.print(f"run directory: {run_dir}", soft_wrap=True)
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 

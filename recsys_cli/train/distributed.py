@@ -314,7 +314,7 @@ def train(cfg, run_dir: Path | None) -> dict:
         summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
         if console is not None:
             console.print(summary_table(summary))
-            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)")
+            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
         failed = False
         return summary
     finally:

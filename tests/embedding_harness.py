@@ -176,3 +176,21 @@ def initial_tables(optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     on placement or precision, so a device build's are everyone's."""
     model, _ = build({"kind": "device"}, optimizer=optimizer)
     return tables_fp32(model.embeddings)
+
+
+def assert_identical(a, b, where: str = "", skip: frozenset = frozenset()):
+    """torch.equal on every tensor of two nested structures, == on everything
+    else; dict keys in `skip` (timing) are not compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            if k not in skip:
+                assert_identical(a[k], b[k], f"{where}.{k}", skip)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]", skip)
+    else:
+        assert a == b, where

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from embedding_harness import FEATURES, build, dense_state, initial_tables, make_batches, resume, tables_fp32, train
+from embedding_harness import FEATURES, assert_identical, build, dense_state, initial_tables, make_batches, resume, tables_fp32, train
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import plan_lookup
 from recsys_cli.embeddings.placement import DEFAULT_CACHE_RATIO
@@ -111,22 +111,6 @@ def dedup(batches):
 def snapshot(model) -> dict:
     return {"dense": dense_state(model), "tables": tables_fp32(model.embeddings),
             "table_state": model.embeddings.table_state(), "caches": model.embeddings.cache_snapshot()}
-
-
-def assert_identical(a, b, where=""):
-    """torch.equal on every tensor of two nested structures."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            assert_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def without_stats(caches):

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedding_harness import assert_identical as harness_identical
+
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 COMMON = ["trainer.progress=false", "trainer.checkpoint_every=30", "trainer.log_every=10", "trainer.eval_every=60"]
@@ -48,20 +50,8 @@ def records(run: Path) -> list[dict]:
 
 
 def assert_identical(a, b, where="checkpoint"):
-    """torch.equal on every tensor, == on everything else, recursively."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            if k not in TIMING:
-                assert_identical(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+    """torch.equal on every tensor, == on everything else, timing aside."""
+    harness_identical(a, b, where, frozenset(TIMING))
 
 
 def final_checkpoint(run: Path, steps: int) -> dict:

@@ -15,7 +15,7 @@ from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import LowRankCrossNet
 from recsys_cli.train.schedule import LRSchedule
 from recsys_cli.train.trainer import Trainer
-from train_config import config
+from train_config import config, train
 
 DCN = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8, model__top_mlp=[32, 1])
 SCHEDULE = dict(optimizer__schedule="warmup_poly", optimizer__warmup_steps=8, optimizer__decay_start_step=20,
@@ -26,13 +26,6 @@ ADAGRAD = dict(optimizer__name="adagrad", optimizer__lr=0.05)
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("recsys-cache")
-
-
-def train(cfg, run_dir=None) -> Trainer:
-    trainer = Trainer(cfg, run_dir=run_dir)
-    trainer.record_losses = True
-    trainer.fit()
-    return trainer
 
 
 def test_cross_net_computes_the_dcnv2_formula():

@@ -16,7 +16,7 @@ import torch
 from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
-from train_config import config
+from train_config import config, train
 
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
@@ -25,13 +25,6 @@ SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("recsys-cache")
-
-
-def train(cfg, run_dir=None) -> Trainer:
-    trainer = Trainer(cfg, run_dir=run_dir)
-    trainer.record_losses = True
-    trainer.fit()
-    return trainer
 
 
 def recsys(*args, cwd, env_extra=None, **kw):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
+from recsys_cli.train.trainer import Trainer
 from devices import TEST_DEVICE
 
 
@@ -22,3 +23,11 @@ def config(cache_dir, **overrides) -> TrainConfig:
     for key, value in overrides.items():
         OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
     return cfg
+
+
+def train(cfg, run_dir=None) -> Trainer:
+    """A Trainer for `cfg`, fitted, with every step's loss recorded."""
+    trainer = Trainer(cfg, run_dir=run_dir)
+    trainer.record_losses = True
+    trainer.fit()
+    return trainer

@@ -44,7 +44,7 @@ def hit_rates(rows: int, batch: int, ratios: list[float], batches: int = 400) ->
             for i, b in enumerate(trainer.train_loader):
                 if i == batches:
                     break
-                plan = b.extras["plans"][0]
+                plan = b.plans[0]
                 group.prepare(plan)
                 group.release(plan)
             out.append({"policy": policy, "cache ratio": ratio, "hit rate": group.stats()["hit_rate"]})

@@ -1,7 +1,7 @@
 """A trained model for scoring: a checkpoint's MLPs and tables, no optimizer, no cache.
 
 `load_model(checkpoint)` rebuilds the run's DLRM with `InferenceTables` in
-place of the training EmbeddingCollection: every table as saved (its
+place of the training EmbeddingBagCollection: every table as saved (its
 training precision, or one chosen for export), read by one gather and the
 same dequantization training uses (quant.py), pooled by sum. For fp32
 tables a logit is bit for bit the trainer's evaluation logit of the same

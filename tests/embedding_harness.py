@@ -114,15 +114,15 @@ def train(batches: list[Batch], model, opt, *, start: int = 0, jitter: int | Non
     trainer_rng = random.Random(jitter) if jitter is not None else None
     thread_rng = random.Random(jitter + 1) if jitter is not None else None
     fresh = [Batch(b.dense, b.sparse, b.labels, b.session) for b in batches[start:]]
-    planned = _jittered((emb.plan(b) for b in fresh), thread_rng)
-    ahead = [(i, g) for i, g in enumerate(emb.groups) if getattr(g, "lookahead", False)]
+    planned = _jittered((emb.plan_batch(b) for b in fresh), thread_rng)
+    ahead = [(i, g) for i, g in enumerate(emb.groups) if g.lookahead]
     losses, checkpoint = [], None
     pause = (lambda s: s == checkpoint_at) if checkpoint_at is not None else None
     with Prefetcher(planned, ahead, emb.release, start=start, pause_at=pause) as stream:
         step = start
         for batch in stream:
-            for group, plan in zip(emb.groups, batch.extras["plans"]):
-                if not getattr(group, "lookahead", False):
+            for group, plan in zip(emb.groups, batch.plans):
+                if not group.lookahead:
                     group.prepare(plan)
             loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
             opt.zero_grad()

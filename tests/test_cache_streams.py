@@ -22,7 +22,7 @@ def _group(placement: dict, precision: dict | None = None, optimizer: str = "ada
 
 def _step(model, group: CachedGroup, batch) -> None:
     """One training step of the embeddings, the plan prepared on this thread."""
-    plan = batch.extras["plans"][0]
+    plan = batch.plans[0]
     if not group.lookahead:
         group.prepare(plan)
     pooled = model.embeddings(batch)
@@ -51,8 +51,8 @@ def test_readers_wait_for_the_fill_recorded_before_the_rows_are_published():
         return e
 
     runtime.event = event
-    batch = model.embeddings.plan(make_batches(1)[0])
-    plan = batch.extras["plans"][0]
+    batch = model.embeddings.plan_batch(make_batches(1)[0])
+    plan = batch.plans[0]
     group.prepare(plan)
     assert not bool(mapped_at_fill[0][plan.unique].any())  # the fill's event came before the slot map
     fill = group.last_fill.name
@@ -72,8 +72,8 @@ def test_loads_and_write_backs_wait_for_the_last_use_of_their_slots_cache_avg_av
     group.use_runtime(runtime, side_stream=True)
     averaged = []
     for batch in make_batches(12):
-        batch = model.embeddings.plan(batch)
-        group.prepare(batch.extras["plans"][0])
+        batch = model.embeddings.plan_batch(batch)
+        group.prepare(batch.plans[0])
         _step(model, group, batch)
         # cache_avg: after the step, averaged rows are written into their slots (and made dirty).
         slots = torch.nonzero(group.row_of_slot >= 0).flatten()[:5]
@@ -115,8 +115,8 @@ def test_the_low_precision_step_indexes_with_host_built_index_tensors_only():
         model, group = _group(placement, {"kind": "int8"})
         served_by_store = 0
         for batch in make_batches(6):
-            batch = model.embeddings.plan(batch)
-            plan = batch.extras["plans"][0]
+            batch = model.embeddings.plan_batch(batch)
+            plan = batch.plans[0]
             group.prepare(plan)  # host bookkeeping: masks on host tensors are free
             served_by_store += int((plan.slots < 0).sum())
             watch = _MaskWatch()

@@ -16,7 +16,6 @@ from embedding_harness import FEATURES, VOCAB, build, make_batches
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.dedup import dedup_kjt
 from recsys_cli.device import HostRuntime
-from recsys_cli.embeddings.collection import PLANS
 from recsys_cli.train.metrics import PhaseTimer
 from recsys_cli.train.transfer import BatchCopier, pinning
 
@@ -152,13 +151,13 @@ def _planned_batches(dedup: bool = False) -> tuple[list[Batch], object]:
     batches = make_batches(3, max_len=2)
     if dedup:  # repeated bags, deduplicated: plans over unique bags
         batches = [Batch(b.dense, dedup_kjt(b.sparse), b.labels) for b in batches]
-    return [model.embeddings.plan(b) for b in batches], model
+    return [model.embeddings.plan_batch(b) for b in batches], model
 
 
 def _host_tensors(batch: Batch) -> list[torch.Tensor]:
     out = []
     batch.apply(lambda t: out.append(t) or t)
-    for plan in batch.extras.get(PLANS, ()):
+    for plan in batch.plans or ():
         plan.moved(lambda t: out.append(t) or t)
     return out
 
@@ -176,7 +175,7 @@ def test_batches_are_pinned_on_the_loader_thread_and_copied_on_the_copy_stream(d
         moved = copier.to_device(pinned)
         n = len(_host_tensors(pinned))
         on_device = _host_tensors(Batch(moved.dense, moved.sparse, moved.labels))
-        for plan in moved.extras[PLANS]:
+        for plan in moved.plans:
             plan.apply(lambda t: on_device.append(t) or t)
             on_device.append(plan.unique_device)
             assert plan.unique.device.type == "cpu"  # the caches and host stores index with it

@@ -1,14 +1,25 @@
-"""Batch: what the loader yields and the model consumes."""
+"""Batch: what the loader yields and the model consumes.
+
+Work done ahead of the trainer travels with the batch in typed fields, set by
+the loader's transform (the embeddings' lookup plans and id counts): nothing
+rides in a string-keyed dict.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from recsys_cli.data.dedup import InverseKeyedJaggedTensor
 from recsys_cli.data.jagged import KeyedJaggedTensor
+
+if TYPE_CHECKING:  # data does not depend on embeddings at run time
+    from recsys_cli.embeddings.plan import LookupPlan
+
+Move = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -17,28 +28,40 @@ class Batch:
     sparse: KeyedJaggedTensor | InverseKeyedJaggedTensor  # ids local to each feature's table (IKJT when dedup is on)
     labels: torch.Tensor  # float32 [B]
     session: torch.Tensor | None = None  # int64 [B] when the dataset has sessions
-    # Work done ahead of the trainer (embedding lookup plans, cache slots),
-    # attached by transforms that run on the loader or prefetcher thread.
-    extras: dict[str, Any] = field(default_factory=dict)
+    # One lookup plan per table group (embeddings/plan.py), made on the loader thread.
+    plans: list[LookupPlan] | None = None
+    # int64 [3, F]: ids in the batch, ids looked up, distinct rows, per feature (the dedup statistics).
+    id_counts: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.labels.numel()
 
-    def apply(self, fn) -> "Batch":
-        """The same batch with fn applied to its tensors (a move, pinning);
-        extras (the transforms' work) are shared, not mapped."""
+    def apply(self, fn: Move) -> "Batch":
+        """The same batch with fn applied to its own tensors (dense, sparse,
+        labels, session); the plans are shared, not mapped."""
         return replace(
             self,
             dense=fn(self.dense),
             sparse=self.sparse.apply(fn),
             labels=fn(self.labels),
             session=None if self.session is None else fn(self.session),
-            extras=dict(self.extras),
+            plans=None if self.plans is None else list(self.plans),
         )
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
+    def to(self, device: torch.device | str, non_blocking: bool = False, move: Move | None = None) -> "Batch":
+        """The batch and its plans for a step on `device` (LookupPlan.moved);
+        `move` replaces the plain copy (the trainer's copy stream counts and
+        records its copies)."""
+        move = move or (lambda t: t.to(device, non_blocking=non_blocking))
+        moved = self.apply(move)
+        if self.plans is not None:
+            moved.plans = [p.moved(move) for p in self.plans]
+        return moved
 
-    def pin_memory(self) -> "Batch":
-        return self.apply(torch.Tensor.pin_memory)
+    def pin_memory(self, pin: Move = torch.Tensor.pin_memory) -> "Batch":
+        """Every tensor `to` copies, page-locked (on the loader thread)."""
+        pinned = self.apply(pin)
+        if self.plans is not None:
+            pinned.plans = [p.pin_memory(pin) for p in self.plans]
+        return pinned

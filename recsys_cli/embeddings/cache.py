@@ -37,7 +37,7 @@ of the batch sequence, never of the prefetch thread's timing. w starts at
 window shrinks (window_used) and, at w = 0 with still no room, the cache
 cannot hold one batch: CacheTooSmall, naming the numbers. Write-backs are
 keyed by the step of the batch that evicts (stochastic rounding, quant.py),
-so even their bits are fixed. Distributed cache_avg (train/embedding_sync.py)
+so even their bits are fixed. Distributed cache_avg (train/strategies/cache_avg.py)
 also protects rows touched since the last cross-rank average as of batch
 j - w (`sync_points`), and asks for an early average when only they are left.
 
@@ -102,7 +102,7 @@ def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> in
 
 
 @dataclass
-class _Split:
+class _Served:
     """A low-precision plan's rows: cached_at (positions in plan.unique) are
     served from cached_slots, direct_at from the store rows direct_rows.
     Device index tensors except cached_slots_host and direct_rows."""
@@ -261,28 +261,28 @@ class CachedGroup(TableGroup):
             # Counted when the batch is released, not here: the prefetcher runs
             # ahead by however far thread timing lets it, and metrics.jsonl's
             # hit rate must be a function of the batches trained.
-            plan.extras["lookup_counts"] = (n_hit, unique.numel() - n_hit, misses.numel() - need)
+            plan.lookup_counts = (n_hit, unique.numel() - n_hit, misses.numel() - need)
             if self.debug:
                 self.check_ownership()
         plan.slots = slots
-        plan.extras["batch_index"] = index
+        plan.batch_index = index
         with self._stream():  # after this batch's fills, on the same stream
-            plan.extras["slots_device"] = self._to_device(self.runtime.pin(slots))
+            plan.slots_device = self._to_device(self.runtime.pin(slots))
             if not self.admit_all:
-                plan.extras["split"] = self._split(plan.unique, slots)
+                plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
                 plan.ready = self.runtime.event()
                 plan.ready.record(self.side_stream)
         self.stats_["prepare_seconds"] += time.perf_counter() - start
 
-    def _split(self, unique: torch.Tensor, slots: torch.Tensor) -> "_Split":
+    def _served(self, unique: torch.Tensor, slots: torch.Tensor) -> "_Served":
         """Where a low-precision plan's rows come from, as index tensors built
         here on the host: no boolean mask ever indexes a device tensor."""
         resident = slots >= 0
         cached_at = torch.nonzero(resident).flatten()
         direct_at = torch.nonzero(~resident).flatten()
         move = lambda t: self._to_device(self.runtime.pin(t))  # noqa: E731
-        return _Split(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
+        return _Served(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
                       direct_at=move(direct_at), direct_rows=unique[direct_at].to(self.store.device))
 
     def _wait_completed(self, count: int) -> None:
@@ -425,52 +425,52 @@ class CachedGroup(TableGroup):
             self.stats_["bytes_to_device"] += values.numel() * 4 + state.numel() * 4
 
     # --- the step --------------------------------------------------------------
-    def _plan_split(self, plan: LookupPlan) -> "_Split | None":
+    def _served_of(self, plan: LookupPlan) -> "_Served | None":
         """Where the plan's rows are served from, or None when all are cached."""
         if plan.slots is None:
             raise RuntimeError("a cached group's plan was not prepared")
-        return None if self.admit_all else plan.extras["split"]
+        return None if self.admit_all else plan.served
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
-        slots_dev = plan.extras["slots_device"]
-        split = self._plan_split(plan)
+        slots_dev = plan.slots_device
+        served = self._served_of(plan)
         if plan.ready is not None:
             compute = self.runtime.current_stream()
             compute.wait_event(plan.ready)
             # Made on the side stream, used on this one: the allocator must not reuse them early.
-            for t in (slots_dev,) if split is None else (slots_dev, split.cached_at, split.cached_slots, split.direct_at):
+            for t in (slots_dev,) if served is None else (slots_dev, served.cached_at, served.cached_slots, served.direct_at):
                 self.runtime.record_stream(t, compute)
-        if split is None:
+        if served is None:
             return self.cache_rows.index_select(0, slots_dev)
         staging = self.step_staging or (None, None)
         rows = torch.empty(plan.num_unique, self.dim, device=self.device)
-        rows.index_copy_(0, split.cached_at, self.cache_rows.index_select(0, split.cached_slots))
-        rows.index_copy_(0, split.direct_at, self._to_device(self.store.rows.read(split.direct_rows), staging[0]))
+        rows.index_copy_(0, served.cached_at, self.cache_rows.index_select(0, served.cached_slots))
+        rows.index_copy_(0, served.direct_at, self._to_device(self.store.rows.read(served.direct_rows), staging[0]))
         return rows
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        slots_dev = plan.extras["slots_device"]
-        split = self._plan_split(plan)
-        if split is None:
+        slots_dev = plan.slots_device
+        served = self._served_of(plan)
+        if served is None:
             state = self.cache_state.index_select(0, slots_dev)
             rows, state = self.optimizer.step(rows, state, grad)
             self.cache_rows.index_copy_(0, slots_dev, rows)
             self.cache_state.index_copy_(0, slots_dev, state)
             self.dirty[plan.slots] = True
             return
-        direct = split.direct_rows
+        direct = served.direct_rows
         if self.debug:
             assert bool((self.slot_of_row[direct.cpu()] < 0).all()), "a row served by the store has a slot"
         staging = self.step_staging or (None, None)
         state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
-        state.index_copy_(0, split.cached_at, self.cache_state.index_select(0, split.cached_slots))
-        state.index_copy_(0, split.direct_at, self._to_device(self.store.state.index_select(0, direct), staging[1]))
+        state.index_copy_(0, served.cached_at, self.cache_state.index_select(0, served.cached_slots))
+        state.index_copy_(0, served.direct_at, self._to_device(self.store.state.index_select(0, direct), staging[1]))
         rows, state = self.optimizer.step(rows, state, grad)
-        self.cache_rows.index_copy_(0, split.cached_slots, rows.index_select(0, split.cached_at))
-        self.cache_state.index_copy_(0, split.cached_slots, state.index_select(0, split.cached_at))
-        self.dirty[split.cached_slots_host] = True
-        self.store.write(direct, rows.index_select(0, split.direct_at).to(self.store.device),
-                         state.index_select(0, split.direct_at).to(self.store.device), plan.extras["batch_index"])
+        self.cache_rows.index_copy_(0, served.cached_slots, rows.index_select(0, served.cached_at))
+        self.cache_state.index_copy_(0, served.cached_slots, state.index_select(0, served.cached_at))
+        self.dirty[served.cached_slots_host] = True
+        self.store.write(direct, rows.index_select(0, served.direct_at).to(self.store.device),
+                         state.index_select(0, served.direct_at).to(self.store.device), plan.batch_index)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
         """Overwrite cached rows on the current stream (cache_avg's averages);
@@ -488,7 +488,8 @@ class CachedGroup(TableGroup):
             resident = plan.slots[plan.slots >= 0]
             self.pins[resident] -= 1
             self.inflight -= 1
-            hits, misses, not_admitted = plan.extras.pop("lookup_counts", (0, 0, 0))
+            hits, misses, not_admitted = plan.lookup_counts or (0, 0, 0)
+            plan.lookup_counts = None
             self.stats_["hits"] += hits
             self.stats_["misses"] += misses
             self.stats_["not_admitted"] += not_admitted
@@ -596,7 +597,7 @@ class CachedGroup(TableGroup):
             self.num_free, self.clock = saved["num_free"], saved["clock"]
             self.prepared, self.completed = saved["prepared"], saved["completed"]
             self.history = collections.deque((b, s.clone(), r.clone()) for b, s, r in saved["history"])
-            if saved["sync_points"] is not None:  # before cache_avg's EmbeddingSync exists
+            if saved["sync_points"] is not None:  # before the CacheAvg strategy exists
                 self.sync_points = list(saved["sync_points"])
             if self.row_uses is not None and saved["row_uses"] is not None:
                 self.row_uses.copy_(saved["row_uses"])

@@ -1,4 +1,7 @@
-"""EmbeddingCollection: every sparse feature's pooled embedding, in one module.
+"""EmbeddingBagCollection: every sparse feature's pooled embedding, in one module.
+
+(Pooled, as TorchRec's EmbeddingBagCollection; TorchRec's EmbeddingCollection
+is the unpooled, sequence one, which this project does not have.)
 
 forward(batch) -> pooled [B, F, D] (sum pooling). Behind it, table groups
 (tables.py, cache.py) hold the rows wherever the placement puts them. The
@@ -18,10 +21,6 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.plan import LookupPlan, SegmentPlan, plan_lookup, segment_sum
 from recsys_cli.embeddings.tables import TableGroup
-
-PLANS = "plans"  # key of the per-group lookup plans in Batch.extras
-ID_COUNTS = "id_counts"  # key of the per-feature id counts in Batch.extras
-
 
 class SumPool(torch.autograd.Function):
     """Sum pooling of rows[inverse] into bags, with a backward whose
@@ -57,7 +56,7 @@ class ExpandBags(torch.autograd.Function):
         return segment_sum(grad, ctx.bag_grad), None, None
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingBagCollection(nn.Module):
     def __init__(self, features: list[str], groups: list[tuple[list[str], TableGroup]], dim: int) -> None:
         """features: every sparse feature in batch key order; groups: (the
         group's features, group). Every feature is in exactly one group."""
@@ -79,8 +78,8 @@ class EmbeddingCollection(nn.Module):
         self._pending: list[tuple[TableGroup, LookupPlan, torch.Tensor]] = []
 
     # --- planning: runs on the loader thread ------------------------------
-    def plan(self, batch: Batch) -> Batch:
-        """Attach one LookupPlan per group to the batch (a loader transform)."""
+    def plan_batch(self, batch: Batch) -> Batch:
+        """Set the batch's plans (one LookupPlan per group) and id counts (a loader transform)."""
         sparse = batch.sparse
         if not isinstance(sparse, KeyedJaggedTensor):
             return self._plan_dedup(batch)
@@ -98,8 +97,8 @@ class EmbeddingCollection(nn.Module):
                 values = torch.cat([chunks[k] for k in keys.tolist()])
                 group_lengths = lengths[keys].reshape(-1)
             plans.append(plan_lookup(values, group_lengths, ids_per_key[keys], group.feature_row_offset))
-        batch.extras[PLANS] = plans
-        batch.extras[ID_COUNTS] = self._id_counts(plans, ids_per_key, ids_per_key)
+        batch.plans = plans
+        batch.id_counts = self._id_counts(plans, ids_per_key, ids_per_key)
         return batch
 
     def _id_counts(self, plans, batch_ids: torch.Tensor, looked_up: torch.Tensor) -> torch.Tensor:
@@ -130,14 +129,21 @@ class EmbeddingCollection(nn.Module):
             first_bag = torch.cumsum(counts, 0) - counts  # the group's bags are numbered key by key
             bag_inverse = ikjt.inverse[keys] + first_bag.view(-1, 1)
             plans.append(plan_lookup(values, lengths, ids_per_key[keys], group.feature_row_offset, bag_inverse))
-        batch.extras[PLANS] = plans
+        batch.plans = plans
         batch_ids = ikjt.lengths[ikjt.global_inverse()].sum(1)
-        batch.extras[ID_COUNTS] = self._id_counts(plans, batch_ids, ids_per_key)
+        batch.id_counts = self._id_counts(plans, batch_ids, ids_per_key)
         return batch
 
     # --- the step ----------------------------------------------------------
+    def prepare(self, batch: Batch) -> None:
+        """Make resident the rows of groups no prefetcher prepared (on-demand
+        caches fill here, on the trainer's thread; other groups do nothing)."""
+        for group, plan in zip(self.groups, batch.plans):
+            if not group.lookahead and plan.slots is None:
+                group.prepare(plan)
+
     def forward(self, batch: Batch) -> torch.Tensor:
-        plans: list[LookupPlan] = batch.extras.get(PLANS) or self.plan(batch).extras[PLANS]
+        plans: list[LookupPlan] = batch.plans or self.plan_batch(batch).plans
         stride = batch.size
         record = torch.is_grad_enabled()
         parts = []
@@ -146,7 +152,7 @@ class EmbeddingCollection(nn.Module):
                 rows = group.gather(plan).requires_grad_()
                 self._pending.append((group, plan, rows))
             else:
-                rows = plan.extras.get("rows")  # read by another rank (distributed cache_avg evaluation)
+                rows = plan.rows  # read by another rank (distributed cache_avg evaluation)
                 if rows is None:
                     rows = group.read(plan.unique)
             pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.row_grad)
@@ -172,7 +178,7 @@ class EmbeddingCollection(nn.Module):
         self._pending.clear()
 
     def release(self, batch: Batch) -> None:
-        for group, plan in zip(self.groups, batch.extras.get(PLANS, ())):
+        for group, plan in zip(self.groups, batch.plans or ()):
             group.release(plan)
 
     # --- whole tables --------------------------------------------------------

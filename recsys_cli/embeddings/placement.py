@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 
 from recsys_cli.device import runtime_for
-from recsys_cli.embeddings.collection import EmbeddingCollection
+from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.tables import DirectGroup, TableSpec, init_table
@@ -63,7 +63,7 @@ def build_embeddings(
     features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
     device: torch.device, seed: int, placements: dict[str, str] | None = None,
     precisions: dict[str, str] | None = None, cache_rows: int | None = None,
-) -> EmbeddingCollection:
+) -> EmbeddingBagCollection:
     """One table per feature, named after it, grouped by (placement, precision).
 
     placements/precisions: per table, overriding the config (the planner's
@@ -82,7 +82,7 @@ def build_embeddings(
         group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
                            seed, cache_rows, table_rows)
         built.append(([t.name for t in specs], group))
-    return EmbeddingCollection(features, built, dim)
+    return EmbeddingBagCollection(features, built, dim)
 
 
 def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None,

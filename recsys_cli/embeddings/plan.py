@@ -18,7 +18,7 @@ sequential index_add_ it replaces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -72,9 +72,16 @@ class LookupPlan:
     row_grad: SegmentPlan | None = None
     bag_grad: SegmentPlan | None = None
     unique_device: torch.Tensor | None = None  # `unique` moved once, for a device-resident store
-    slots: torch.Tensor | None = None  # cache slots of `unique`, set by a cache
-    ready: Any = None  # a CUDA event the trainer waits on before reading slots
-    extras: dict = field(default_factory=dict)
+    # Set by a cache when it makes the rows resident (CachedGroup.prepare or
+    # apply on a follower rank), read by its gather/update, cleared by release.
+    slots: torch.Tensor | None = None  # int64 [n] host: the slot of every unique row (-1: served by the store)
+    slots_device: torch.Tensor | None = None  # `slots` on the device
+    ready: Any = None  # torch.cuda.Event | None: the trainer waits on it before reading the slots
+    served: Any = None  # low-precision caches: which rows come from slots and which from the store
+    batch_index: int | None = None  # the batch's index in the cache's sequence (a write's rounding key)
+    lookup_counts: tuple[int, int, int] | None = None  # hits, misses, misses not admitted: counted at release
+    # Distributed cache_avg evaluation: the current rows of `unique`, read by rank 0 and broadcast.
+    rows: torch.Tensor | None = None
 
     @property
     def num_unique(self) -> int:
@@ -116,8 +123,12 @@ class LookupPlan:
             bag_grad=None if self.bag_grad is None else self.bag_grad.apply(fn),
             unique_device=self.unique_device,
             slots=self.slots,
+            slots_device=self.slots_device,
             ready=self.ready,
-            extras=self.extras,
+            served=self.served,
+            batch_index=self.batch_index,
+            lookup_counts=self.lookup_counts,
+            rows=self.rows,
         )
 
     def widen(self, union: torch.Tensor) -> None:

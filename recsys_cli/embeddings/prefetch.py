@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 
 from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
-from recsys_cli.embeddings.collection import PLANS
 
 _DONE = object()
 
@@ -32,7 +31,7 @@ _DONE = object()
 class Prefetcher:
     """Subclasses change how a plan is made resident (`_prepare`), what
     happens when the source runs dry (`_finish`) and which in-stream markers
-    the trainer's thread handles (`_marker`); see train/embedding_sync.py."""
+    the trainer's thread handles (`_marker`); see train/strategies/cache_fill.py."""
 
     thread_name = "recsys-prefetch"
 
@@ -40,7 +39,7 @@ class Prefetcher:
         self, batches: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release: Callable[[Batch], None],
         start: int = 0, pause_at: Callable[[int], bool] | None = None,
     ) -> None:
-        """groups: (index of the group's plan in Batch.extras[PLANS], group);
+        """groups: (index of the group's plan in Batch.plans, group);
         start: the step of the first batch; pause_at(step): wait for passed(step)
         before preparing that step's batch."""
         self.source = batches
@@ -96,7 +95,7 @@ class Prefetcher:
             for batch in self.source:
                 if self._stop.is_set() or not self._wait_pause(self._step):
                     return
-                plans = batch.extras[PLANS]
+                plans = batch.plans
                 prepared = []
                 try:
                     for index, group in self.indexed_groups:

@@ -13,6 +13,7 @@ and how they get to the device, is the group's business:
 
 from __future__ import annotations
 
+import abc
 import math
 import zlib
 from dataclasses import dataclass
@@ -81,8 +82,12 @@ def init_table(spec: TableSpec, seed: int) -> torch.Tensor:
     return out
 
 
-class TableGroup:
-    kind = "base"
+class TableGroup(abc.ABC):
+    """The tables of one placement behind one store (see the module docstring).
+    The collection talks to a group only through these methods."""
+
+    kind: str = "base"  # the placement's name: device, uvm, cache, lookahead
+    lookahead: bool = False  # True: the prefetcher prepares its plans ahead, on its thread
 
     def __init__(
         self, tables: list[TableSpec], feature_tables: list[str], store: RowStore,
@@ -112,20 +117,20 @@ class TableGroup:
     def prepare(self, plan: LookupPlan) -> None:
         """Make the plan's rows readable (a cache fills and pins them)."""
 
+    @abc.abstractmethod
     def gather(self, plan: LookupPlan) -> torch.Tensor:
         """fp32 rows of plan.unique on the device."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply the row optimizer to the rows `gather` returned."""
-        raise NotImplementedError
 
     def release(self, plan: LookupPlan) -> None:
         """The trainer is done with the plan's rows."""
 
+    @abc.abstractmethod
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current fp32 rows, no side effects (evaluation, checks)."""
-        raise NotImplementedError
 
     # --- whole-table access: checkpoints and reports -----------------------
     def table_state(self) -> dict[str, dict[str, torch.Tensor]]:

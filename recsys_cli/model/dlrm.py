@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from recsys_cli.data.batch import Batch
-from recsys_cli.embeddings.collection import EmbeddingCollection
+from recsys_cli.embeddings.collection import EmbeddingBagCollection
 
 INTERACTIONS = ("dot", "cat", "dcn")
 INITS = ("dlrm", "torch")
@@ -77,7 +77,7 @@ class LowRankCrossNet(nn.Module):
 
 class DLRM(nn.Module):
     def __init__(
-        self, num_dense: int, embeddings: EmbeddingCollection, bottom_mlp: list[int], top_mlp: list[int],
+        self, num_dense: int, embeddings: EmbeddingBagCollection, bottom_mlp: list[int], top_mlp: list[int],
         interaction: str = "dot", init: str = "dlrm", dcn_layers: int = 3, dcn_rank: int = 512, seed: int = 0,
     ) -> None:
         super().__init__()

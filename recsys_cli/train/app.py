@@ -63,7 +63,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
 
     console = Console()
     if cfg.trainer.nproc > 1 or distributed.launched_by_agent():  # several processes (torchrun, or spawned here)
-        return distributed.train_app(cfg, run_dir)
+        from recsys_cli.train.distributed_app import train_app
+
+        return train_app(cfg, run_dir)
     trainer = Trainer(cfg, run_dir=run_dir, console=console)
     summary = trainer.fit()
     console.print(summary_table(summary))

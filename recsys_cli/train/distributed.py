@@ -12,8 +12,9 @@ One process per device (DESIGN.md, "Scale"). Two ways to start them:
 * ``recsys train trainer.nproc=N``: the Hydra app composes the config and the
   run directory once, then `launch` starts N workers through torch.distributed's
   own launcher (``elastic_launch`` + ``LaunchConfig``: c10d rendezvous on
-  127.0.0.1 at a free port, max_restarts=0). Each worker (`worker_main`) gets
-  the resolved config as a plain container and the run directory.
+  127.0.0.1 at a free port, max_restarts=0). Each worker
+  (distributed_app.worker_main) gets the resolved config as a plain container
+  and the run directory.
 
 Failure: the elastic agent watches its workers; when one raises or is killed
 it stops the others (SIGTERM, then SIGKILL) and `launch` raises `WorkerFailed`
@@ -28,7 +29,7 @@ mode, rank 0's cache fills, issued only by the one thread that plans batches
 ahead (the prefetcher thread, or a planning thread without lookahead). Keeping
 them apart keeps each group's collectives in the same order on every rank
 although two threads issue them. How the embeddings stay in step across ranks
-is in embedding_sync.py.
+is in strategies/ (grad_sync.py, cache_avg.py).
 
 Only rank 0 writes metrics.jsonl, summary.json and checkpoints, and prints the
 progress bar and the summary. Every rank restores a checkpoint; the loader
@@ -42,17 +43,15 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from recsys_cli.errors import UserError
 
@@ -293,88 +292,7 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
             log.setLevel(level)
 
 
-# --- training entry points -------------------------------------------------------------
-
-
-def train(cfg, run_dir: Path | None) -> dict:
-    """Train as one rank of the group the launcher (or torchrun) set up:
-    join, agree on rank 0's run directory, train, leave. Rank 0 prints the
-    summary; returns the summary."""
-    from rich.console import Console
-
-    from recsys_cli.train.progress import summary_table
-    from recsys_cli.train.trainer import Trainer
-
-    ctx = init(cfg.trainer.dist_timeout, cfg.trainer.device)
-    failed = True
-    try:
-        shared = broadcast_object(str(run_dir) if run_dir is not None else None)
-        run_dir = Path(shared) if shared is not None else None
-        console = Console() if ctx.is_main else None
-        summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
-        if console is not None:
-            console.print(summary_table(summary))
-            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
-        failed = False
-        return summary
-    finally:
-        if not failed:  # after a failure a peer may never answer: just exit
-            teardown()
-
-
-@record
-def worker_main(cfg_container: dict, run_dir: str | None) -> float | None:
-    """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`."""
-    from omegaconf import OmegaConf
-
-    from recsys_cli.config import TrainConfig, register_configs
-
-    register_configs()
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
-    summary = train(cfg, Path(run_dir) if run_dir else None)
-    val = summary["final"].get("val")
-    return None if val is None else val["auc"]
-
-
-def train_app(cfg, run_dir: Path) -> float | None:
-    """`recsys train` when more than one process trains: under torchrun this
-    process is one rank; otherwise start trainer.nproc workers and wait."""
-    from omegaconf import OmegaConf
-    from rich.console import Console
-
-    from recsys_cli.config import validate
-    from recsys_cli.train.trainer import resolve_dataset
-
-    err = Console(stderr=True)
-    if launched_by_agent():
-        rank = os.environ["RANK"]
-        try:
-            summary = record(train)(cfg, run_dir)
-        except UserError as e:
-            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False, soft_wrap=True)
-            sys.exit(2)
-        val = summary["final"].get("val")
-        return None if val is None else val["auc"]
-    try:
-        validate(cfg)
-        resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
-    except UserError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    from torch.distributed.elastic.multiprocessing import SignalException
-
-    try:
-        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir))
-    except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
-        err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
-        sys.exit(130)
-    except WorkerFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        if e.traceback and not e.user_error:
-            err.print(e.traceback, highlight=False, markup=False)
-        sys.exit(2 if e.user_error else 1)
-    return results.get(0)
+# --- Hydra runs under torchrun -------------------------------------------------------------
 
 
 def follower_overrides(overrides: list[str]) -> list[str]:

@@ -21,17 +21,13 @@ from data_tools.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.embeddings.collection import ID_COUNTS, PLANS
+from recsys_cli.device import allocated_by, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings, plan_auto
-from recsys_cli.embeddings.prefetch import Prefetcher, take
-from recsys_cli.device import allocated_by, runtime_for
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
-from recsys_cli.train import distributed
-from recsys_cli.train.embedding_sync import EmbeddingSync
-from recsys_cli.train.embedding_sync import check as check_embedding_sync
+from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.loggers import make_log
 from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
@@ -115,7 +111,7 @@ class Trainer:
         ).to(self.device)
         self.embeddings = embeddings
         self.row_optimizer = row_optimizer
-        check_embedding_sync(cfg, embeddings)
+        strategies.check(cfg, embeddings)
         if opt.name == "sgd":
             self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr)
         else:
@@ -125,10 +121,10 @@ class Trainer:
 
         # Plans are made on the loader thread; on CUDA the batch and its plans are also pinned there.
         self.copier = BatchCopier(self.device, self.runtime)
-        transform = embeddings.plan
+        transform = embeddings.plan_batch
         if self.device.type == "cuda":
             pin = pinning(self.copier.runtime)
-            transform = lambda batch: pin(embeddings.plan(batch))  # noqa: E731
+            transform = lambda batch: pin(embeddings.plan_batch(batch))  # noqa: E731
         loader_args = dict(transform=transform, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
         self.keep_sessions = self.session_shuffle(cfg.dedup, self.manifest.session_column)
@@ -168,7 +164,6 @@ class Trainer:
         # Training-batch calibration: sums of predicted probabilities and of labels, and their count.
         self.train_ctr = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.train_ctr_samples = 0
-        self.sync: EmbeddingSync | None = None
         if tc.resume and tc.init_from:
             raise UserError("trainer.resume continues a run, trainer.init_from starts a new one from a checkpoint: "
                             "give one of them")
@@ -176,8 +171,9 @@ class Trainer:
             self.resume(tc.resume)
         elif tc.init_from:
             self.init_from(tc.init_from)
-        if self.dist.enabled:
-            self.sync = EmbeddingSync(cfg, self.dist, self.model, self.timer, step=self.step)
+        # How this process trains with the others (alone, grad or cache_avg): after a resume,
+        # so cache_avg starts from the restored caches and step.
+        self.strategy = strategies.strategy_for(cfg, self.dist, self.model, self.timer, step=self.step)
 
     def session_shuffle(self, dedup, session_column: str | None) -> bool:
         """Whether the loader shuffles whole sessions. By default exactly when
@@ -276,15 +272,9 @@ class Trainer:
         if self.batch_in_epoch >= self.train_loader.num_batches:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
-        ahead = [(i, g) for i, g in enumerate(self.embeddings.groups) if getattr(g, "lookahead", False)]
         # Exactly the batches this run trains: a prefetcher must not fill a batch past the last step.
         limit = min(self.train_loader.num_batches - self.batch_in_epoch, self.total_steps - self.step)
-        if self.sync is not None:  # union plans; cache_avg: rank 0 fills every rank's cache
-            stream = self.sync.batches(self.train_loader, limit, ahead, self.step, self.pauses_at)
-        else:
-            stream = Prefetcher(take(self.train_loader, limit), ahead, self.embeddings.release,
-                                self.step, self.pauses_at)
-        self.stream = stream
+        self.stream = stream = self.strategy.batches(self.train_loader, limit, self.step, self.pauses_at)
         with stream as batches:
             try:
                 yield from batches
@@ -311,22 +301,18 @@ class Trainer:
             self.set_lr(self.schedule.lr(self.step + 1))
         batch = self.to_device(batch)
         with timer.phase("embedding_forward"):
-            for group, plan in zip(self.embeddings.groups, batch.extras[PLANS]):
-                if not getattr(group, "lookahead", False) and plan.slots is None:
-                    group.prepare(plan)
+            self.embeddings.prepare(batch)  # on-demand caches fill here; lookahead ones were filled ahead
             pooled = model.embeddings(batch)
         with timer.phase("mlp_forward"):
             logits = model.dense_forward(batch.dense, pooled)
             self.train_ctr += torch.stack([torch.sigmoid(logits.detach()).sum(), batch.labels.sum()]).double()
             self.train_ctr_samples += batch.size
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-            if self.sync is not None:  # this rank's share of the global batch's mean
-                loss = loss * self.sync.loss_scale(batch)
+            loss = loss * self.strategy.loss_scale(batch)  # this rank's share of the global batch's mean
         with timer.phase("backward"):
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        if self.sync is not None:  # average gradients (and the loss) across ranks
-            loss = self.sync.average_gradients(loss)
+        loss = self.strategy.reduce_gradients(loss)  # across ranks: gradients and the reported loss
         with timer.phase("sparse_update"):
             self.embeddings.step()
             self.embeddings.release(batch)
@@ -335,16 +321,15 @@ class Trainer:
         self.count_dedup(batch)
         self.step += 1
         self.batch_in_epoch += 1
-        self.samples += batch.size if self.sync is None else self.cfg.trainer.batch_size
-        if self.sync is not None:
-            self.sync.after_step(self.step)
+        self.samples += self.strategy.samples(batch)
+        self.strategy.after_step(self.step)
         return loss
 
     def to_device(self, batch: Batch) -> Batch:
-        return self.copier.to_device(batch)  # on CUDA: on the copy stream, overlapping the previous step
+        return self.copier.to_device(batch)  # Batch.to; on CUDA on the copy stream, overlapping the previous step
 
     def count_dedup(self, batch: Batch) -> None:
-        self.id_counts += batch.extras[ID_COUNTS]
+        self.id_counts += batch.id_counts
 
     def duplication(self) -> dict:
         """RecD's measure: the share of a batch's ids that repeat a value
@@ -385,20 +370,15 @@ class Trainer:
         """fp32 logits and labels of every row of `split`, in the split's order."""
         self.model.eval()
         logits, labels = [], []
-        if self.sync is not None:
-            self.sync.before_eval()
+        self.strategy.before_eval()
         with self.timer.phase("eval"):
-            for batch in self.eval_loaders[split]:
-                if self.sync is not None:
-                    self.sync.serve_eval_rows(batch)
+            for batch in self.strategy.eval_batches(self.eval_loaders[split]):
                 batch = self.to_device(batch)
                 logits.append(self.model(batch).float().cpu())
                 labels.append(batch.labels.cpu())
         self.model.train()
-        logits, labels = torch.cat(logits), torch.cat(labels)
-        if self.sync is not None:  # the whole split: every rank's predictions
-            logits, labels = self.sync.gather_predictions(logits, labels)
-        return logits, labels
+        # The whole split: every rank's predictions.
+        return self.strategy.gather_predictions(torch.cat(logits), torch.cat(labels))
 
     def evaluate_and_log(self, split: str) -> dict:
         result = self.evaluate(split)
@@ -433,83 +413,16 @@ class Trainer:
         if self.checkpoint_dir is None:
             return None
         self.saved_step = self.step
-        if self.sync is None:
-            return ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict())
-        self.sync.before_checkpoint()
-        # Rank 0 writes (every rank restores); the others wait at a barrier of
-        # the checkpoint group, whose timeout is not the step's dist_timeout,
-        # so a save longer than that does not fail the run.
-        path = ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()) if self.dist.is_main else None
-        distributed.checkpoint_barrier()
-        return path
+        # Distributed: rank 0 writes (every rank restores), the others wait for it.
+        return self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()))
 
     def resume(self, resume: str) -> None:
-        if str(resume).lower() == "true":
-            if self.checkpoint_dir is not None and (self.checkpoint_dir / ckpt.LATEST).exists():
-                path = ckpt.find_checkpoint(self.checkpoint_dir)
-            else:
-                outputs = self.run_dir.parent.parent if self.run_dir else Path("outputs")
-                path = ckpt.find_latest_run_checkpoint(outputs)
-        else:
-            path = ckpt.find_checkpoint(resume)
-        if self.dist.enabled:  # every rank loads the checkpoint rank 0 chose
-            path = distributed.broadcast_object(path)
-        state = ckpt.load_checkpoint(path)
-        if "config" in state:
-            ckpt.check_resumable(path, state["config"], OmegaConf.to_container(self.cfg, resolve=True))
-        expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
-        if state["features"] != expected:
-            raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
-        try:
-            self.model.load_state_dict(state["model"])
-            self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
-            raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
-        self.embeddings.load_table_state(state["tables"])
-        self.embeddings.load_cache_snapshot(state.get("caches"), state["step"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        self.samples = state["samples"]
-        if "metrics" in state:
-            self.log.restore(state["metrics"])
-            loss, steps = state["running_loss"]
-            self.running_loss, self.running_steps = loss.to(self.device), steps
-        self.saved_step = self.step
-        if self.console is not None:
-            self.console.print(f"resumed from {path} at step {self.step}")
+        """Continue the run saved at `resume` (a checkpoint, a directory, or "true": the latest)."""
+        restore.resume(self, resume)
 
     def init_from(self, location: str) -> None:
-        """Weights and optimizer state (dense and per row) from a checkpoint,
-        into this new run: its own step count, data order and RNGs, and its
-        own optimizer hyperparameters (lr...)."""
-        path = ckpt.find_checkpoint(location)
-        if self.dist.enabled:
-            path = distributed.broadcast_object(path)
-        state = ckpt.load_checkpoint(path)
-        expected = {f.name: f.vocab_size for f in self.manifest.sparse_features}
-        if state.get("features") != expected:
-            raise UserError(f"vocabulary mismatch: trainer.init_from={path} was trained on features "
-                            f"{state.get('features')}, {self.dataset_dir} has {expected}")
-        ours = self.manifest.options.get("vocabulary", {}).get("fingerprint")
-        if state.get("vocabulary") and ours and state["vocabulary"] != ours:
-            raise UserError(f"vocabulary mismatch: {self.dataset_dir} has another vocabulary than the data "
-                            f"{path} was trained on (preprocess it with vocab=THAT_DATASET)")
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise UserError(f"trainer.init_from={path}: its model does not fit this config's "
-                            f"({str(e).splitlines()[0]})") from None
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.dense_optimizer.param_groups]
-        try:
-            self.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        except ValueError as e:
-            raise UserError(f"trainer.init_from={path}: its optimizer state does not fit optimizer."
-                            f"name={self.cfg.optimizer.name} ({e})") from None
-        for group, h in zip(self.dense_optimizer.param_groups, hyper):
-            group.update(h)
-        self.embeddings.load_table_state(state["tables"])
-        if self.console is not None:
-            self.console.print(f"initialised from {path} (trained {state['step']} steps)")
+        """Weights and optimizer state from a checkpoint, into this new run (restore.py)."""
+        restore.init_from(self, location)
 
     # --- the report --------------------------------------------------------------
     def summary(self, final: dict) -> dict:
@@ -545,8 +458,9 @@ class Trainer:
         if self.window_used:
             summary["cache"]["window_used_min"] = min(self.window_used)
             summary["cache"]["window_used_mean"] = sum(self.window_used) / len(self.window_used)
-        if self.sync is not None:
-            summary["distributed"] = self.sync.report()
+        distributed_report = self.strategy.report()
+        if distributed_report is not None:
+            summary["distributed"] = distributed_report
         if self.run_dir is not None and self.dist.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
         self.log.close()

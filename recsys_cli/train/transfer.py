@@ -20,19 +20,11 @@ import torch
 
 from recsys_cli.data.batch import Batch
 from recsys_cli.device import HostRuntime, runtime_for
-from recsys_cli.embeddings.collection import PLANS
 
 
 def pinning(runtime: HostRuntime) -> Callable[[Batch], Batch]:
     """A loader transform: the batch and its plans in page-locked memory."""
-
-    def pin(batch: Batch) -> Batch:
-        pinned = batch.apply(runtime.pin)
-        if PLANS in batch.extras:
-            pinned.extras[PLANS] = [p.pin_memory(runtime.pin) for p in batch.extras[PLANS]]
-        return pinned
-
-    return pin
+    return lambda batch: batch.pin_memory(runtime.pin)
 
 
 class BatchCopier:
@@ -57,14 +49,11 @@ class BatchCopier:
             return out
 
         with rt.use_stream(self.stream):
-            moved = batch.apply(move)
-            plans = [plan.moved(move) for plan in batch.extras.get(PLANS, ())]
+            moved = batch.to(self.device, move=move)
             copied = rt.event()
             copied.record(self.stream)
         compute = rt.current_stream()
         compute.wait_event(copied)
         for t in copies:
             rt.record_stream(t, compute)
-        if PLANS in batch.extras:
-            moved.extras[PLANS] = plans
         return moved

@@ -1,0 +1,99 @@
+"""`recsys train` with more than one process: each rank's run, and the launcher's entry points.
+
+Apart from distributed.py (process groups, collectives, the launcher), which
+the trainer's strategies use, so that distributed.py never imports the
+trainer: the import graph runs app -> distributed_app -> trainer ->
+strategies -> distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from recsys_cli.errors import UserError
+from recsys_cli.train.distributed import WorkerFailed, broadcast_object, init, launch, launched_by_agent, teardown
+
+
+def train(cfg, run_dir: Path | None) -> dict:
+    """Train as one rank of the group the launcher (or torchrun) set up:
+    join, agree on rank 0's run directory, train, leave. Rank 0 prints the
+    summary; returns the summary."""
+    from rich.console import Console
+
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+
+    ctx = init(cfg.trainer.dist_timeout, cfg.trainer.device)
+    failed = True
+    try:
+        shared = broadcast_object(str(run_dir) if run_dir is not None else None)
+        run_dir = Path(shared) if shared is not None else None
+        console = Console() if ctx.is_main else None
+        summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
+        if console is not None:
+            console.print(summary_table(summary))
+            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
+        failed = False
+        return summary
+    finally:
+        if not failed:  # after a failure a peer may never answer: just exit
+            teardown()
+
+
+@record
+def worker_main(cfg_container: dict, run_dir: str | None) -> float | None:
+    """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`."""
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import TrainConfig, register_configs
+
+    register_configs()
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
+    summary = train(cfg, Path(run_dir) if run_dir else None)
+    val = summary["final"].get("val")
+    return None if val is None else val["auc"]
+
+
+def train_app(cfg, run_dir: Path) -> float | None:
+    """`recsys train` when more than one process trains: under torchrun this
+    process is one rank; otherwise start trainer.nproc workers and wait."""
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    from recsys_cli.config import validate
+    from recsys_cli.train.trainer import resolve_dataset
+
+    err = Console(stderr=True)
+    if launched_by_agent():
+        rank = os.environ["RANK"]
+        try:
+            summary = record(train)(cfg, run_dir)
+        except UserError as e:
+            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+        val = summary["final"].get("val")
+        return None if val is None else val["auc"]
+    try:
+        validate(cfg)
+        resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    try:
+        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir))
+    except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
+        err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
+        sys.exit(130)
+    except WorkerFailed as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        if e.traceback and not e.user_error:
+            err.print(e.traceback, highlight=False, markup=False)
+        sys.exit(2 if e.user_error else 1)
+    return results.get(0)

@@ -1,0 +1,21 @@
+"""Distribution strategies: one object owns what differs between the ways to train (base.py)."""
+
+from __future__ import annotations
+
+from recsys_cli.train.distributed import DistContext
+from recsys_cli.train.strategies.base import BatchStream, Strategy
+from recsys_cli.train.strategies.cache_avg import CacheAvg, check
+from recsys_cli.train.strategies.grad_sync import GradSync
+from recsys_cli.train.strategies.single import SingleProcess
+
+__all__ = ["BatchStream", "CacheAvg", "GradSync", "SingleProcess", "Strategy", "check", "strategy_for"]
+
+
+def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0) -> Strategy:
+    """The strategy of this process: alone, or one rank of trainer.embedding_sync's mode."""
+    tc = cfg.trainer
+    if not ctx.enabled:
+        return SingleProcess(model.embeddings, tc.batch_size)
+    if tc.embedding_sync == "cache_avg":
+        return CacheAvg(model.embeddings, tc.batch_size, ctx, model, timer, tc.sync_every, step)
+    return GradSync(model.embeddings, tc.batch_size, ctx, model, timer)

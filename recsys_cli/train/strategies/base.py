@@ -1,0 +1,93 @@
+"""Strategy: how the processes of a run train together (Lightning's strategies).
+
+The trainer runs one loop for every way of distributing; a strategy owns
+what differs between them:
+
+  batches()            the training batch stream of an epoch (planned,
+                       prefetched, and across ranks made consistent)
+  loss_scale()         this rank's weight in the global batch's mean loss
+  reduce_gradients()   after backward: gradients (and the loss) across ranks
+  after_step()         after the updates of a step (cache_avg's averages)
+  before_eval()        before and during an evaluation (caches made current,
+  eval_batches()       rows served to every rank), and its results
+  gather_predictions()
+  checkpoint()         who writes a checkpoint, and who waits for it
+  samples()            how many samples a step trained, over every rank
+
+SingleProcess (single.py) is one process: the identities and the plain
+prefetcher. GradSync (grad_sync.py) averages every gradient every step;
+CacheAvg (cache_avg.py) averages cache rows every k steps (cDLRM).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from recsys_cli.data.batch import Batch
+from recsys_cli.embeddings.cache import CachedGroup
+
+
+class BatchStream(Protocol):
+    """What batches() returns: a context manager over the epoch's batches.
+    passed(step) tells it the trainer is done with `step` (evaluation and
+    checkpoint included); window_used: the lookahead window of every batch."""
+
+    window_used: list[int]
+
+    def __enter__(self) -> Iterator[Batch]: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+    def passed(self, step: int) -> None: ...
+
+
+class Strategy(abc.ABC):
+    def __init__(self, embeddings, global_batch: int) -> None:
+        self.embeddings = embeddings
+        self.global_batch = global_batch
+
+    def lookahead_groups(self) -> list[tuple[int, CachedGroup]]:
+        """(plan index, group) of the groups the prefetcher fills ahead."""
+        return [(i, g) for i, g in enumerate(self.embeddings.groups) if g.lookahead]
+
+    @abc.abstractmethod
+    def batches(self, loader, limit: int, start: int, pause_at: Callable[[int], bool]) -> BatchStream:
+        """The next `limit` batches of `loader` (steps start, start + 1...),
+        ready to train; pause_at(step): a step after which the trainer
+        evaluates or checkpoints, so nothing is filled past it meanwhile."""
+
+    def loss_scale(self, batch: Batch) -> float:
+        return 1.0
+
+    def reduce_gradients(self, loss: torch.Tensor) -> torch.Tensor:
+        """After backward; returns the loss to report."""
+        return loss
+
+    def after_step(self, step: int) -> None:
+        """`step` steps are done (updates applied, the batch released)."""
+
+    def samples(self, batch: Batch) -> int:
+        return batch.size
+
+    def before_eval(self) -> None:
+        """Before an evaluation reads any row."""
+
+    def eval_batches(self, loader) -> Iterator[Batch]:
+        """The batches of an evaluation, with what the model reads prepared."""
+        return iter(loader)
+
+    def gather_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits, labels
+
+    def checkpoint(self, write: Callable[[], Path]) -> Path | None:
+        """Write a checkpoint (write() builds and saves the state)."""
+        return write()
+
+    def report(self) -> dict | None:
+        """The summary's "distributed" entry (None: not distributed)."""
+        return None

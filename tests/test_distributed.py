@@ -52,7 +52,7 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def result(trainer: Trainer) -> dict:
     return {"losses": list(trainer.step_losses), "weights": weights(trainer), "evals": list(trainer.evals),
-            "distributed": trainer.sync.report() if trainer.sync is not None else None}
+            "distributed": trainer.strategy.report()}
 
 
 def train_runs(runs: list[tuple[str, dict]]) -> dict:

@@ -1,8 +1,27 @@
 """CachedGroup: host (or low-precision) tables behind an fp32 device cache.
 
+(Over 450 lines on purpose: this module alone owns residency, so every
+method that reads or changes the slot maps, pins, dirty bits, counters or
+the lock is here, and nowhere else. What needs none of them lives apart:
+the victim order (slot_order.py), the row -> slot index, the plans.)
+
 The cache holds `capacity` fp32 rows (and their optimizer state) in slots on
-the device. prepare(plan) makes a batch's rows resident and pins them;
-release(plan) unpins them after the trainer's update.
+the device. Its protocol, all that other modules call:
+  prepare(plan) -> Fill   make a batch's rows resident and pin them (the
+                          prefetcher's thread, or the trainer's for an
+                          on-demand cache); the Fill record says which slots
+                          and which rows it loaded
+  apply(plan, fill, ...)  the same on a replica (cache_avg's follower ranks)
+  gather / update         the step reads and updates the plan's rows
+  release(plan)           unpin after the update (write-backs happen on
+                          eviction, inside prepare)
+  hold_until_averaged(), write_averaged(), NeedsAverage, wait_averaged()
+                          cache_avg's eviction filter: rows touched since the
+                          last cross-rank average stay until it is written
+  read / table_state / cache_snapshot / load_cache_snapshot
+                          evaluation and checkpoints, changing nothing
+The plan carries the cache's per-batch state in typed fields (slots,
+slots_device, ready, served, batch_index, lookup_counts).
 
 Invariant 1, one owner per row. A row is served (read and updated) either
 by exactly one slot or by the store, never by both: while a row has a slot,
@@ -79,13 +98,13 @@ from dataclasses import dataclass
 import torch
 
 from recsys_cli.device import PinnedStaging, runtime_for
-from recsys_cli.embeddings.plan import LookupPlan
+from recsys_cli.embeddings.plan import LookupPlan, RowSources
+from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
 
 DEBUG = os.environ.get("RECSYS_DEBUG", "") not in ("", "0")
 SNAPSHOT_STEP = -3  # rounding key of dirty rows quantized into a checkpoint's copy of a table
-_NO_VICTIM = torch.iinfo(torch.int64).max
 
 
 class CacheTooSmall(UserError):
@@ -96,22 +115,28 @@ class PrefetchStopped(RuntimeError):
     pass
 
 
+class NeedsAverage(Exception):
+    """cache_avg: prepare() of batch `batch` found room only among rows that
+    await a cross-rank average. Nothing was changed: prepare it again after
+    wait_averaged(batch)."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__(batch)
+        self.batch = batch
+
+
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
     slots = cache_rows if cache_rows is not None else int(round(num_rows * cache_ratio))
     return max(1, min(num_rows, slots))
 
 
 @dataclass
-class _Served:
-    """A low-precision plan's rows: cached_at (positions in plan.unique) are
-    served from cached_slots, direct_at from the store rows direct_rows.
-    Device index tensors except cached_slots_host and direct_rows."""
+class Fill:
+    """What prepare() did for one plan: the slot of every unique row, and
+    which of them it loaded (positions in plan.unique)."""
 
-    cached_at: torch.Tensor
-    cached_slots: torch.Tensor
-    cached_slots_host: torch.Tensor
-    direct_at: torch.Tensor
-    direct_rows: torch.Tensor
+    slots: torch.Tensor  # int64 [n]
+    loaded: torch.Tensor  # int64 [k]
 
 
 class CachedGroup(TableGroup):
@@ -144,6 +169,10 @@ class CachedGroup(TableGroup):
         # admits every miss it has room for).
         lfu_admission = not admit_all and not lookahead and policy == "lfu"
         self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if lfu_admission else None
+        # Resident slots in eviction order (score, slot), and for LFU admission
+        # by their rows' uses: a batch finds room without a pass over every slot.
+        self.victims = SlotOrder(cache_slots, self._score_of)
+        self.least_used = SlotOrder(cache_slots, self._uses_of) if lfu_admission else None
         self.clock = 0
         self.prepared = 0  # index of the next batch prepare() takes
         self.completed = 0  # batches the trainer is done with
@@ -155,12 +184,16 @@ class CachedGroup(TableGroup):
         self.inflight = 0  # plans pinned and not yet released
         self.cond = threading.Condition()
         self.stop = threading.Event()
-        self.stats_ = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
+        self.counters = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
         self.use_runtime(runtime_for(dev), side_stream=dev.type == "cuda" and lookahead)
-        # Distributed cache_avg: called by prepare (lock held) when only rows
-        # awaiting a cross-rank average could make room; asks for one.
-        self.on_starved = None
+
+    def _score_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.row_of_slot[slots] >= 0, self.score[slots], -1)
+
+    def _uses_of(self, slots: torch.Tensor) -> torch.Tensor:
+        rows = self.row_of_slot[slots]
+        return torch.where(rows >= 0, self.row_uses[rows.clamp(min=0)].to(torch.int64), -1)
 
     def use_runtime(self, runtime, side_stream: bool = True) -> None:
         """Streams, events and staging buffers from `runtime` (tests install a
@@ -201,7 +234,9 @@ class CachedGroup(TableGroup):
             self.last_use.record(self.runtime.current_stream())
 
     # --- filling -------------------------------------------------------------
-    def prepare(self, plan: LookupPlan) -> None:
+    def prepare(self, plan: LookupPlan) -> "Fill":
+        """Make the plan's rows resident and pin them (see the invariants
+        above); returns what it did, for replicas on other ranks (apply)."""
         start = time.perf_counter()
         unique = plan.unique
         if self.admit_all and unique.numel() > self.capacity:
@@ -219,17 +254,17 @@ class CachedGroup(TableGroup):
             if self.row_uses is not None:
                 self.row_uses[unique] += 1
             need = misses.numel()
-            evictable = None
+            protected, available = None, 0  # slots this batch may not evict, and how many it may
             if not self.admit_all:  # low precision: rows without a slot are served by the store
                 self.last_window = self.window
                 admitted = torch.zeros(need, dtype=torch.bool)
                 candidates = torch.nonzero(~torch.isin(misses, self._locked(index, self.window))).flatten()
                 chosen = torch.ones(candidates.numel(), dtype=torch.bool)
                 if candidates.numel() > self.num_free:  # not room for all in free slots: evict or turn away
-                    evictable = self._evictable(index, slots[hit], self.window)
+                    protected, available = self._protected(index, slots[hit], self.window)
                     if self.row_uses is not None:
-                        chosen = self._admit(misses[candidates], evictable)
-                    room = self.num_free + int(evictable.sum())
+                        chosen = self._admit(misses[candidates], protected, available)
+                    room = self.num_free + available
                     chosen[torch.nonzero(chosen).flatten()[room:]] = False  # beyond the room: the store this step
                 admitted[candidates[chosen]] = True
                 need = int(chosen.sum())
@@ -237,22 +272,29 @@ class CachedGroup(TableGroup):
                 admitted = torch.ones(need, dtype=torch.bool)
                 self.last_window = self.window
                 if need > self.num_free:
-                    self.last_window, evictable = self._make_room(index, slots[hit], need - self.num_free, unique)
+                    self.last_window, protected, available = self._make_room(
+                        index, slots[hit], need - self.num_free, unique)
             if need > self.num_free:
-                self._evict(need - self.num_free, evictable, index)
+                self._evict(need - self.num_free, protected, available, index)
             self.num_free -= need
             new_slots = self.free_slots[self.num_free : self.num_free + need].clone()
             self._load(misses[admitted], new_slots)
+            loaded = torch.nonzero(~hit).flatten()[admitted]
             miss_slots = torch.full((misses.numel(),), -1, dtype=torch.int64)
             miss_slots[admitted] = new_slots
             slots[~hit] = miss_slots
             resident = slots >= 0
             self.pins[slots[resident]] += 1
             self.clock += 1
+            held = slots[resident]
             if self.policy == "lru":
-                self.score[slots[resident]] = self.clock
+                self.score[held] = self.clock
+                self.victims.push(held, self.clock)
             else:
-                self.score[slots[resident]] += 1
+                self.score[held] += 1
+                self.victims.push(held, self.score[held])
+            if self.least_used is not None:
+                self.least_used.push(held, self.row_uses[unique[resident]].to(torch.int64))
             self.inflight += 1
             self.prepared += 1
             self.history.append((index, slots[resident], unique[~resident]))
@@ -273,16 +315,58 @@ class CachedGroup(TableGroup):
             if self.side_stream is not None:
                 plan.ready = self.runtime.event()
                 plan.ready.record(self.side_stream)
-        self.stats_["prepare_seconds"] += time.perf_counter() - start
+        self.counters["prepare_seconds"] += time.perf_counter() - start
+        return Fill(slots, loaded)
 
-    def _served(self, unique: torch.Tensor, slots: torch.Tensor) -> "_Served":
+    def loaded_values(self, plan: LookupPlan, fill: "Fill") -> torch.Tensor:
+        """fp32 [k, row_width] host copies of the rows `fill` loaded and their
+        optimizer state, once the fill's copies have landed."""
+        if plan.ready is not None:
+            plan.ready.synchronize()
+        dev = fill.slots[fill.loaded].to(self.device)
+        return torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1).cpu()
+
+    def apply(self, plan: LookupPlan, fill: "Fill", values: torch.Tensor | None) -> None:
+        """A replica of another rank's cache (cache_avg, follower ranks): put
+        the rows that rank loaded (`values`, as loaded_values gave them) into
+        the same slots and pin the plan's slots as its prepare did. Followers
+        never evict or write back (their store is not read while training), so
+        a slot's old row, or a row's old slot, is simply forgotten."""
+        slots = fill.slots
+        n_load = fill.loaded.numel()
+        with self.cond:
+            if n_load:
+                target = slots[fill.loaded]
+                rows = plan.unique[fill.loaded]
+                previous = self.slot_of_row[rows].to(torch.int64)
+                self.row_of_slot[previous[previous >= 0]] = -1
+                old = self.row_of_slot[target]
+                self.slot_of_row[old[old >= 0]] = -1
+                dev = target.to(self.device)
+                self.cache_rows.index_copy_(0, dev, values[:, : self.dim].to(self.device))
+                self.cache_state.index_copy_(0, dev, values[:, self.dim :].to(self.device))
+                self.row_of_slot[target] = rows
+                self.slot_of_row[rows] = target.to(torch.int32)
+                self.counters["rows_loaded"] += n_load
+            self.pins[slots] += 1
+            self.inflight += 1
+            plan.lookup_counts = (slots.numel() - n_load, n_load, 0)
+        plan.slots = slots
+        plan.slots_device = slots.to(self.device, non_blocking=True)
+
+    @property
+    def row_width(self) -> int:
+        """fp32 values a slot holds: the row and its optimizer state."""
+        return self.dim + self.cache_state.shape[1]
+
+    def _served(self, unique: torch.Tensor, slots: torch.Tensor) -> RowSources:
         """Where a low-precision plan's rows come from, as index tensors built
         here on the host: no boolean mask ever indexes a device tensor."""
         resident = slots >= 0
         cached_at = torch.nonzero(resident).flatten()
         direct_at = torch.nonzero(~resident).flatten()
         move = lambda t: self._to_device(self.runtime.pin(t))  # noqa: E731
-        return _Served(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
+        return RowSources(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
                       direct_at=move(direct_at), direct_rows=unique[direct_at].to(self.store.device))
 
     def _wait_completed(self, count: int) -> None:
@@ -300,16 +384,15 @@ class CachedGroup(TableGroup):
             return position
         return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
 
-    def _evictable(self, index: int, hits: torch.Tensor, window: int) -> torch.Tensor:
-        """Resident slots that batch `index`, prepared with `window`, may
-        evict: all but those of the protected batches and its own hits."""
+    def _protected(self, index: int, hits: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+        """(slots batch `index`, prepared with `window`, may not evict: those
+        of the protected batches and its own hits, sorted; how many resident
+        slots it may evict), from the batches in the window and the counters,
+        never a pass over every slot."""
         first = self._first_unsafe(index - window)
-        protected = torch.zeros(self.capacity, dtype=torch.bool)
-        protected[hits] = True
-        for batch, slots, _ in self.history:
-            if batch >= first:
-                protected[slots] = True
-        return (self.row_of_slot >= 0) & ~protected
+        protected = torch.unique(torch.cat([hits, *(slots for batch, slots, _ in self.history if batch >= first)]))
+        resident_protected = int((self.row_of_slot[protected] >= 0).sum())
+        return protected, self.capacity - self.num_free - resident_protected
 
     def _locked(self, index: int, window: int) -> torch.Tensor:
         """Rows batch `index` must not admit: the store serves them to a protected batch."""
@@ -318,28 +401,39 @@ class CachedGroup(TableGroup):
         return torch.cat(locked) if locked else torch.zeros(0, dtype=torch.int64)
 
     def _make_room(self, index: int, hits: torch.Tensor, extra: int, unique: torch.Tensor):
-        """(window, evictable slots) for batch `index` that needs `extra` slots
-        beyond the free ones: the widest window whose unprotected rows suffice."""
+        """(window, protected slots, evictable count) for batch `index` that needs
+        `extra` slots beyond the free ones: the widest window whose unprotected rows suffice."""
         for window in range(self.window, -1, -1):
             self._wait_completed(index - window)
-            evictable = self._evictable(index, hits, window)
-            if int(evictable.sum()) >= extra:
-                return window, evictable
-        while self.on_starved is not None and self._first_unsafe(index) < index:
-            # Only rows awaiting a cross-rank average are left: ask for one now
-            # (the trainer has completed every earlier batch) and wait for it.
-            self.on_starved()
-            while self._first_unsafe(index) < index:
-                if self.stop.is_set():
-                    raise PrefetchStopped()
-                self.cond.wait(timeout=0.1)
-            evictable = self._evictable(index, hits, 0)
-            if int(evictable.sum()) >= extra:
-                return 0, evictable
+            protected, available = self._protected(index, hits, window)
+            if available >= extra:
+                return window, protected, available
+        if self.sync_points is not None and self._first_unsafe(index) < index:
+            # Only rows awaiting a cross-rank average are left (the trainer has
+            # completed every earlier batch): the caller asks for one.
+            raise NeedsAverage(index)
         raise CacheTooSmall(
             f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique rows: raise "
             "placement.cache_rows / cache_ratio or lower trainer.batch_size"
         )
+
+    def interrupt_waits(self) -> None:
+        """A prepare() waiting for the trainer raises PrefetchStopped now, and
+        any later one at once, until allow_waits() (the prefetcher is closing)."""
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def allow_waits(self) -> None:
+        self.stop.clear()
+
+    def wait_averaged(self, batch: int) -> None:
+        """cache_avg: wait until the rows held for batch `batch` were averaged (NeedsAverage)."""
+        with self.cond:
+            while self._first_unsafe(batch) < batch:
+                if self.stop.is_set():
+                    raise PrefetchStopped()
+                self.cond.wait(timeout=0.1)
 
     def _prune_history(self, next_position: int) -> None:
         """Forget batches no later prepare can protect."""
@@ -350,28 +444,28 @@ class CachedGroup(TableGroup):
             keep = [p for p in self.sync_points if p >= first]
             self.sync_points = keep if keep else self.sync_points[-1:]
 
-    def _admit(self, misses: torch.Tensor, evictable: torch.Tensor) -> torch.Tensor:
+    def _admit(self, misses: torch.Tensor, protected: torch.Tensor, available: int) -> torch.Tensor:
         """LFU admission for rows that may stay in low precision: free slots
         go to the most used misses; beyond them a miss must be used at least
         as often as the least used evictable row."""
         if self.num_free >= misses.numel():
             return torch.ones(misses.numel(), dtype=torch.bool)
         uses = self.row_uses[misses]
-        if bool(evictable.any()):
-            admitted = uses >= self.row_uses[self.row_of_slot[evictable]].min()
+        least = self.least_used.min_key(protected) if available else None
+        if least is not None:
+            admitted = uses >= least
         else:
             admitted = torch.zeros(misses.numel(), dtype=torch.bool)
         admitted[torch.argsort(uses, descending=True, stable=True)[: self.num_free]] = True
         return admitted
 
-    def _evict(self, at_least: int, evictable: torch.Tensor, step: int) -> None:
-        """Free at least `at_least` of the `evictable` slots (a chunk, to
-        amortise the search), by policy, ties broken by slot."""
-        available = int(evictable.sum())
+    def _evict(self, at_least: int, protected: torch.Tensor, available: int, step: int) -> None:
+        """Free at least `at_least` of the `available` unprotected resident
+        slots (a chunk, to amortise the search), by policy, ties broken by slot."""
         count = min(available, max(at_least, self.evict_chunk))
-        key = torch.where(evictable, self.score * self.capacity + torch.arange(self.capacity), _NO_VICTIM)
-        victims = torch.sort(torch.topk(key, count, largest=False, sorted=False).indices).values
+        victims = torch.sort(self.victims.smallest(count, protected)).values
         if self.debug:
+            assert victims.numel() == count, "the victim order lost slots"
             assert bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
         self._write_back(victims[self.dirty[victims]], step)
         rows = self.row_of_slot[victims]
@@ -380,7 +474,7 @@ class CachedGroup(TableGroup):
         self.score[victims] = 0
         self.free_slots[self.num_free : self.num_free + count] = victims
         self.num_free += count
-        self.stats_["rows_evicted"] += count
+        self.counters["rows_evicted"] += count
 
     def _stream(self):
         return self.runtime.use_stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
@@ -399,9 +493,9 @@ class CachedGroup(TableGroup):
         self.store.write(self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device),
                          state.to(self.store.device), step)
         self.dirty[slots] = False
-        self.stats_["rows_written_back"] += slots.numel()
+        self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
-            self.stats_["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
+            self.counters["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if rows.numel() == 0:
@@ -420,12 +514,12 @@ class CachedGroup(TableGroup):
         self.slot_of_row[rows] = slots.to(torch.int32)
         self.row_of_slot[slots] = rows
         self.dirty[slots] = False
-        self.stats_["rows_loaded"] += rows.numel()
+        self.counters["rows_loaded"] += rows.numel()
         if self.store_tier == "host":
-            self.stats_["bytes_to_device"] += values.numel() * 4 + state.numel() * 4
+            self.counters["bytes_to_device"] += values.numel() * 4 + state.numel() * 4
 
     # --- the step --------------------------------------------------------------
-    def _served_of(self, plan: LookupPlan) -> "_Served | None":
+    def _served_of(self, plan: LookupPlan) -> "RowSources | None":
         """Where the plan's rows are served from, or None when all are cached."""
         if plan.slots is None:
             raise RuntimeError("a cached group's plan was not prepared")
@@ -473,12 +567,42 @@ class CachedGroup(TableGroup):
                          state.index_select(0, served.direct_at).to(self.store.device), plan.batch_index)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
-        """Overwrite cached rows on the current stream (cache_avg's averages);
-        a later write-back or load of these slots waits for this write."""
+        """Overwrite cached rows on the current stream; a later write-back or
+        load of these slots waits for this write."""
         dev = slots.to(self.device)
         self.cache_rows.index_copy_(0, dev, rows)
         self.cache_state.index_copy_(0, dev, state)
         self._used()
+
+    # --- cache_avg: rows held until the ranks average them -------------------------
+    def hold_until_averaged(self) -> None:
+        """cache_avg's eviction filter, switched on: from now on a row touched
+        since the last cross-rank average is not evicted (its average must
+        reach the table: write_averaged), prepare() raises NeedsAverage when
+        only such rows could make room, and a batch completes when the trainer
+        says so (complete), after its step's average."""
+        with self.cond:
+            self.completes_on_release = False
+            if self.sync_points is None:  # a resumed cache keeps the points it was saved with
+                self.sync_points = [self.completed]
+
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 [k, row_width] on the device: the rows of `slots` and their optimizer state."""
+        dev = slots.to(self.device)
+        return torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1)
+
+    def write_averaged(self, slots: torch.Tensor, values: torch.Tensor, step: int) -> None:
+        """The ranks' average of `slots` (read_slots' layout) after `step`
+        steps, written on the current stream (a later write-back or load of
+        these slots waits for it); the rows it held may now be evicted, and
+        their averaged values must reach the table."""
+        if slots.numel():
+            self.write_slots(slots, values[:, : self.dim], values[:, self.dim :])
+        with self.cond:
+            self.dirty[slots] = True
+            if self.sync_points[-1] != step:
+                self.sync_points.append(step)
+            self.cond.notify_all()
 
     def release(self, plan: LookupPlan) -> None:
         if plan.slots is None:
@@ -490,9 +614,9 @@ class CachedGroup(TableGroup):
             self.inflight -= 1
             hits, misses, not_admitted = plan.lookup_counts or (0, 0, 0)
             plan.lookup_counts = None
-            self.stats_["hits"] += hits
-            self.stats_["misses"] += misses
-            self.stats_["not_admitted"] += not_admitted
+            self.counters["hits"] += hits
+            self.counters["misses"] += misses
+            self.counters["not_admitted"] += not_admitted
             if self.completes_on_release:
                 self.completed += 1
             self.cond.notify_all()
@@ -564,7 +688,7 @@ class CachedGroup(TableGroup):
                 "history": [(b, slots.clone(), rows.clone()) for b, slots, rows in self.history],
                 "sync_points": None if self.sync_points is None else list(self.sync_points),
                 "row_uses": None if self.row_uses is None else self.row_uses.clone(),
-                "stats": dict(self.stats_),
+                "stats": dict(self.counters),
             }
 
     def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
@@ -601,7 +725,10 @@ class CachedGroup(TableGroup):
                 self.sync_points = list(saved["sync_points"])
             if self.row_uses is not None and saved["row_uses"] is not None:
                 self.row_uses.copy_(saved["row_uses"])
-            self.stats_.update(saved["stats"])
+            for order in (self.victims, self.least_used):
+                if order is not None:
+                    order.rebuild(resident)
+            self.counters.update(saved["stats"])
             if self.debug:
                 self.check_ownership()
             return True
@@ -618,6 +745,9 @@ class CachedGroup(TableGroup):
             self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64)
             self.num_free = self.capacity
             self.clock = 0
+            self.victims.clear()
+            if self.least_used is not None:
+                self.least_used.clear()
             self.history.clear()
             if self.sync_points is not None:
                 self.sync_points = [self.completed]
@@ -643,7 +773,7 @@ class CachedGroup(TableGroup):
         return [(self.store_tier, "table", self.store.nbytes()), ("device", "cache", cache), ("host", "index", index_bytes)]
 
     def stats(self) -> dict:
-        s = dict(self.stats_)
+        s = dict(self.counters)
         s["cache_slots"] = self.capacity
         total = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / total if total else None

@@ -19,9 +19,14 @@ sequential index_add_ it replaces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from recsys_cli.device import HostEvent
+
+    Event = torch.cuda.Event | HostEvent
 
 
 @dataclass
@@ -58,6 +63,21 @@ def segment_sum(values: torch.Tensor, segments: SegmentPlan) -> torch.Tensor:
 
 
 @dataclass
+class RowSources:
+    """Where a low-precision cache serves a plan's rows from (set by its
+    prepare): cached_at (positions in plan.unique) from cached_slots,
+    direct_at from the store rows direct_rows. Device index tensors except
+    cached_slots_host and direct_rows, all built on the host: no boolean mask
+    ever indexes a device tensor."""
+
+    cached_at: torch.Tensor
+    cached_slots: torch.Tensor
+    cached_slots_host: torch.Tensor
+    direct_at: torch.Tensor
+    direct_rows: torch.Tensor
+
+
+@dataclass
 class LookupPlan:
     unique: torch.Tensor  # int64 [n] fused row ids, sorted
     inverse: torch.Tensor  # int64 [nnz] index into `unique` for every id of the batch
@@ -76,8 +96,8 @@ class LookupPlan:
     # apply on a follower rank), read by its gather/update, cleared by release.
     slots: torch.Tensor | None = None  # int64 [n] host: the slot of every unique row (-1: served by the store)
     slots_device: torch.Tensor | None = None  # `slots` on the device
-    ready: Any = None  # torch.cuda.Event | None: the trainer waits on it before reading the slots
-    served: Any = None  # low-precision caches: which rows come from slots and which from the store
+    ready: Event | None = None  # the trainer waits on it before reading the slots (CUDA: a side-stream fill)
+    served: RowSources | None = None  # low-precision caches: which rows come from slots, which from the store
     batch_index: int | None = None  # the batch's index in the cache's sequence (a write's rounding key)
     lookup_counts: tuple[int, int, int] | None = None  # hits, misses, misses not admitted: counted at release
     # Distributed cache_avg evaluation: the current rows of `unique`, read by rank 0 and broadcast.

@@ -18,10 +18,10 @@ trainer; leaving early releases what was prefetched but never trained on.
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Iterator
 
+from data_tools.background import BackgroundIterator
 from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
 
@@ -29,9 +29,16 @@ _DONE = object()
 
 
 class Prefetcher:
-    """Subclasses change how a plan is made resident (`_prepare`), what
-    happens when the source runs dry (`_finish`) and which in-stream markers
-    the trainer's thread handles (`_marker`); see train/strategies/cache_fill.py."""
+    """The batch stream of a run with lookahead caches: a context manager
+    that iterates the prepared batches. The thread is data_tools' one
+    BackgroundIterator; this class adds what a cache needs around it: the
+    pauses, stopping the caches' waits on exit, and releasing batches that
+    were prepared but never trained on.
+
+    Subclasses change how a plan is made resident (`_prepare`, a generator
+    that may yield control items into the stream ahead of the batch), what
+    happens when the source runs dry (`_finish`) and how the trainer's thread
+    handles a control item (`_control`); see train/strategies/cache_fill.py."""
 
     thread_name = "recsys-prefetch"
 
@@ -48,19 +55,20 @@ class Prefetcher:
         self.release = release
         self.window = min((g.window for g in self.groups), default=0)
         self.window_used: list[int] = []
-        self.lead = True  # decides residency; a follower replays another process's fills
+        self.decides_residency = True  # False: a follower rank replays rank 0's fills (and pauses with them)
         self.pause_at = pause_at
         self._step = start  # step of the next batch to prepare
         self._passed = start
         self._passed_cond = threading.Condition()
-        self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: BackgroundIterator | None = None
 
     def __enter__(self) -> "Prefetcher":
         if self.groups:
-            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-            self._thread.start()
+            # Deep enough never to hold the thread back: prepare() itself keeps
+            # it at most `window` batches ahead (plus a few control items).
+            self._thread = BackgroundIterator(self._produce(), depth=self.window + 4, name=self.thread_name,
+                                              discard=self._discard, stop=self._stop)
         return self
 
     def passed(self, step: int) -> None:
@@ -69,19 +77,21 @@ class Prefetcher:
             self._passed = step
             self._passed_cond.notify_all()
 
-    def _prepare(self, group: CachedGroup, plan) -> None:
+    def _prepare(self, group: CachedGroup, plan) -> Iterator:
+        """Make the plan's rows resident (on the prefetch thread); yields control items, if any."""
         group.prepare(plan)
+        yield from ()
 
     def _finish(self) -> None:
         """The source is exhausted (on the prefetch thread)."""
 
-    def _marker(self, item) -> bool:
-        """Handle a non-batch item on the trainer's thread; True if it was one."""
-        return False
+    def _control(self, item) -> None:
+        """Handle a control item on the trainer's thread."""
+        raise TypeError(f"unexpected item in the batch stream: {item!r}")
 
     def _wait_pause(self, step: int) -> bool:
         """False if stopped while waiting for the trainer to pass `step`."""
-        if self.pause_at is None or not self.lead or not self.pause_at(step):
+        if self.pause_at is None or not self.decides_residency or not self.pause_at(step):
             return True
         with self._passed_cond:
             while self._passed < step:
@@ -90,44 +100,42 @@ class Prefetcher:
                 self._passed_cond.wait(timeout=0.1)
         return True
 
-    def _run(self) -> None:
+    def _produce(self) -> Iterator:
+        """The prefetch thread: prepared batches, and control items before a batch."""
         try:
             for batch in self.source:
                 if self._stop.is_set() or not self._wait_pause(self._step):
                     return
-                plans = batch.plans
                 prepared = []
                 try:
                     for index, group in self.indexed_groups:
-                        self._prepare(group, plans[index])
-                        prepared.append((group, plans[index]))
+                        yield from self._prepare(group, batch.plans[index])
+                        prepared.append((group, batch.plans[index]))
                 except BaseException:
                     for group, plan in prepared:
                         group.release(plan)
                     raise
                 self.window_used.append(min(g.last_window for g in self.groups))
                 self._step += 1
-                self._queue.put(batch)
+                yield batch
             self._finish()
-            self._queue.put(_DONE)
-        except PrefetchStopped:
+        except PrefetchStopped:  # stopped while waiting on a cache
             pass
-        except BaseException as e:  # surfaces in the trainer, never a hang
-            self._queue.put(e)
+
+    def _discard(self, item) -> None:
+        """A batch prefetched but never trained on gives its pins back."""
+        if isinstance(item, Batch):
+            self.release(item)
 
     def __iter__(self) -> Iterator[Batch]:
-        if not self.groups:
+        if self._thread is None:
             yield from self.source
             return
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            if self._marker(item):
-                continue
-            yield item
+        for item in self._thread:
+            if isinstance(item, Batch):
+                yield item
+            else:
+                self._control(item)
 
     def __exit__(self, exc_type, *exc) -> None:
         if self._thread is None:
@@ -135,21 +143,11 @@ class Prefetcher:
             return
         self._stop.set()
         for g in self.groups:
-            g.stop.set()
-            with g.cond:
-                g.cond.notify_all()
+            g.interrupt_waits()
         # After an error a peer process may never answer the thread's collective.
-        self._thread.join(timeout=30 if exc_type is None else 2)
+        self._thread.close(timeout=30 if exc_type is None else 2)
         for g in self.groups:
-            g.stop.clear()
-        # Batches prefetched but never trained on give their pins back.
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Batch):
-                self.release(item)
+            g.allow_waits()
         _close(self.source)
 
 

@@ -2,7 +2,10 @@
 
 Read top to bottom: Trainer.__init__ builds everything from the config,
 fit() runs the epochs, train_step() is one step split into the phases the
-run reports, evaluate() scores a split, save()/resume() checkpoint.
+run reports, evaluate() scores a split, save()/resume() checkpoint. How this
+process trains with others is its Strategy's business (strategies/), never a
+branch here; starting from a checkpoint is in restore.py. (Some 470 lines:
+the loop, its evaluation, checkpoints and the run's summary belong together.)
 """
 
 from __future__ import annotations

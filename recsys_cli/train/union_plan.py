@@ -23,18 +23,14 @@ max_steps), so these collectives always pair up.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 
 import torch
 
+from data_tools.background import BackgroundIterator
 from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.prefetch import take
 from recsys_cli.train.distributed import all_gather_split
-
-_DONE = object()
-
 
 def union_plan(batch: Batch, group) -> Batch:
     """Replace every plan's unique ids by their union over the ranks (sorted)
@@ -56,53 +52,25 @@ def union_batches(loader, limit: int, group) -> Iterator[Batch]:
 class PlanAhead:
     """Union planning on its own thread, a few batches ahead, when no
     prefetcher thread would do it: the all-gather of ids then overlaps the
-    step instead of adding its latency to it."""
+    step instead of adding its latency to it. A batch stream like Prefetcher
+    (strategies/base.py, BatchStream) on data_tools' BackgroundIterator."""
 
     def __init__(self, source: Iterator[Batch], depth: int = 4) -> None:
         self.source = source
+        self.depth = depth
         self.window_used: list[int] = []
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="recsys-plan", daemon=True)
+        self._thread: BackgroundIterator | None = None
 
     def __enter__(self) -> "PlanAhead":
-        self._thread.start()
+        self._thread = BackgroundIterator(self.source, depth=self.depth, name="recsys-plan")
         return self
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self._thread)
 
     def passed(self, step: int) -> None:
         """Planning fills no cache: nothing waits for the trainer."""
 
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for batch in self.source:
-                if not self._put(batch):
-                    return
-            self._put(_DONE)
-        except BaseException as e:  # surfaces in the trainer
-            self._put(e)
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
     def __exit__(self, exc_type, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30 if exc_type is None else 2)
-        try:
-            self.source.close()
-        except ValueError:  # still running on a thread that did not stop
-            pass
+        # After an error a peer process may never answer the thread's all-gather.
+        self._thread.close(timeout=30 if exc_type is None else 2)

@@ -35,9 +35,11 @@ fp32 tables behind a lookahead or on-demand cache only:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from recsys_cli.embeddings.cache import CachedGroup
+from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
 from recsys_cli.errors import UserError
 from recsys_cli.train.distributed import all_gather_varlen, all_reduce_mean, broadcast_
 from recsys_cli.train.strategies.cache_fill import CacheFillBroadcast
@@ -63,15 +65,14 @@ def check(cfg, embeddings) -> None:
 
 
 class _Replica:
-    """cache_avg state of one cached group."""
+    """cache_avg state of one cached group: which slots this rank touched
+    since the last average, and how many averages it has done."""
 
     def __init__(self, group: CachedGroup) -> None:
         self.group = group
-        self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # slots touched since the last sync
+        self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # only the trainer's thread uses it
         self.syncs = 0
-        group.completes_on_release = False  # a batch completes after its step's sync (after_step)
-        if group.sync_points is None:  # a resumed cache keeps the sync points it was saved with
-            group.sync_points = [group.completed]
+        group.hold_until_averaged()
 
 
 class CacheAvg(DataParallel):
@@ -82,6 +83,7 @@ class CacheAvg(DataParallel):
         self.every = every
         self.step = step  # steps done
         self.replicas = {id(g): _Replica(g) for g in embeddings.groups if isinstance(g, CachedGroup)}
+        self.averaged = threading.Condition()  # notified when a replica's syncs grow (cache_fill waits on it)
         self.syncs = 0
         self.early_syncs = 0  # asked for by rank 0's prefetcher, to free cache slots
         self.rows_synced = 0
@@ -91,9 +93,7 @@ class CacheAvg(DataParallel):
         return id(group) not in self.replicas
 
     def rows_touched(self, group, plan) -> None:
-        replica = self.replicas[id(group)]
-        with group.cond:
-            replica.unsynced[plan.slots] = True
+        self.replicas[id(group)].unsynced[plan.slots] = True
 
     def after_step(self, step):
         self.step = step
@@ -108,22 +108,29 @@ class CacheAvg(DataParallel):
         with self.timer.phase("communication"):
             for replica in self.replicas.values():
                 g = replica.group
-                with g.cond:
-                    slots = torch.nonzero(replica.unsynced).flatten()
+                slots = torch.nonzero(replica.unsynced).flatten()
+                values = g.read_slots(slots)
                 if slots.numel():
-                    dev = slots.to(g.device)
-                    buf = torch.cat([g.cache_rows.index_select(0, dev), g.cache_state.index_select(0, dev)], 1)
-                    all_reduce_mean([buf], self.ctx.group)
-                    g.write_slots(slots, buf[:, : g.dim], buf[:, g.dim :])  # write-backs wait for this write
-                with g.cond:
-                    replica.unsynced[slots] = False
-                    g.dirty[slots] = True  # the averaged value must reach the table
+                    all_reduce_mean([values], self.ctx.group)
+                g.write_averaged(slots, values, self.step)
+                replica.unsynced[slots] = False
+                with self.averaged:
                     replica.syncs += 1
-                    if g.sync_points[-1] != self.step:
-                        g.sync_points.append(self.step)
-                    g.cond.notify_all()
+                    self.averaged.notify_all()
                 self.rows_synced += slots.numel()
             self.syncs += 1
+
+    def wait_syncs(self, group: CachedGroup, syncs: int, stop) -> None:
+        """Wait until this rank has averaged `group` `syncs` times (stop: an Event that ends the wait)."""
+        replica = self.replicas[id(group)]
+        with self.averaged:
+            while replica.syncs < syncs:
+                if stop.is_set():
+                    raise PrefetchStopped()
+                self.averaged.wait(timeout=0.1)
+
+    def syncs_of(self, group: CachedGroup) -> int:
+        return self.replicas[id(group)].syncs
 
     def early_sync(self) -> None:
         """A SYNC marker reached the trainer: rank 0's prefetcher needs room."""

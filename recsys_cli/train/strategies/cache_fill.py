@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_cli.data.batch import Batch
-from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
+from recsys_cli.embeddings.cache import CachedGroup, Fill, NeedsAverage
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import broadcast_
 
@@ -36,31 +36,23 @@ class CacheFillBroadcast(Prefetcher):
         super().__init__(source, groups, release, start, pause_at)
         self.sync = sync
         self.ctx = sync.ctx
-        self.lead = self.ctx.is_main
+        self.decides_residency = self.ctx.is_main
         self._sends: list = []  # async SYNC broadcasts in flight (work, tensor)
 
-    def __enter__(self) -> "CacheFillBroadcast":
-        if self.lead:
-            for g in self.groups:
-                g.on_starved = self._starved_callback(g)
-        return super().__enter__()
-
-    def _prepare(self, group: CachedGroup, plan) -> None:
-        (self._fill if self.lead else self._mirror)(group, plan)
+    def _prepare(self, group: CachedGroup, plan) -> Iterator:
+        if self.decides_residency:
+            yield from self._fill_and_send(group, plan)
+        else:
+            yield from self._receive_fill(group, plan)
 
     def _finish(self) -> None:
         self._wait_sends()
 
-    def _marker(self, item) -> bool:
-        if item is not _SYNC:
-            return False
-        self.sync.early_sync()
-        return True
-
-    def __exit__(self, exc_type, *exc) -> None:
-        super().__exit__(exc_type, *exc)
-        for g in self.groups:
-            g.on_starved = None
+    def _control(self, item) -> None:
+        if item is _SYNC:
+            self.sync.early_sync()
+        else:
+            super()._control(item)
 
     # --- rank 0 ---------------------------------------------------------------------
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -71,42 +63,33 @@ class CacheFillBroadcast(Prefetcher):
             work.wait()
         self._sends.clear()
 
-    def _starved_callback(self, group: CachedGroup):
-        def starved() -> None:
-            """Called by prepare (lock held, every earlier batch completed) when
-            only rows awaiting a sync could give room: ask every rank for one here."""
-            self._queue.put(_SYNC)
-            header = torch.tensor([SYNC, 0, 0, 0], dtype=torch.int64)
-            # Asynchronous: never wait on a peer while holding the cache lock.
-            self._sends.append((dist.broadcast(header, 0, group=self.ctx.plan_group, async_op=True), header))
-
-        return starved
-
-    def _fill(self, group: CachedGroup, plan) -> None:
-        replica = self.sync.replicas[id(group)]
-        with group.cond:  # only this thread loads or evicts, so this is what prepare will load
-            missing = group.slot_of_row[plan.unique] < 0
-        group.prepare(plan)
+    def _fill_and_send(self, group: CachedGroup, plan) -> Iterator:
+        while True:
+            try:
+                fill = group.prepare(plan)
+                break
+            except NeedsAverage as starved:
+                # Only rows awaiting an average could make room (every earlier
+                # batch is completed): ask every rank for one at this place of
+                # the stream, and prepare again once this rank's trainer did it.
+                header = torch.tensor([SYNC, 0, 0, 0], dtype=torch.int64)
+                self._sends.append((dist.broadcast(header, 0, group=self.ctx.plan_group, async_op=True), header))
+                yield _SYNC
+                group.wait_averaged(starved.batch)
         self._wait_sends()
-        if plan.ready is not None:
-            plan.ready.synchronize()
-        load = torch.nonzero(missing).flatten()
-        header = torch.tensor([FILL, replica.syncs, plan.num_unique, load.numel()], dtype=torch.int64)
+        values = group.loaded_values(plan, fill) if fill.loaded.numel() else None
+        header = torch.tensor([FILL, self.sync.syncs_of(group), plan.num_unique, fill.loaded.numel()], dtype=torch.int64)
         self._bcast(header)
-        self._bcast(torch.cat([plan.slots, load]))
-        if load.numel():
-            dev_slots = plan.slots[load].to(group.device)
-            payload = torch.cat([group.cache_rows.index_select(0, dev_slots),
-                                 group.cache_state.index_select(0, dev_slots)], 1).cpu()
-            self._bcast(payload)
+        self._bcast(torch.cat([fill.slots, fill.loaded]))
+        if values is not None:
+            self._bcast(values)
 
     # --- other ranks --------------------------------------------------------------------
-    def _mirror(self, group: CachedGroup, plan) -> None:
-        replica = self.sync.replicas[id(group)]
+    def _receive_fill(self, group: CachedGroup, plan) -> Iterator:
         while True:
             header = self._bcast(torch.zeros(4, dtype=torch.int64))
             if int(header[0]) == SYNC:
-                self._queue.put(_SYNC)
+                yield _SYNC  # at the place of the stream where rank 0 put it
                 continue
             break
         syncs, n, n_load = (int(x) for x in header[1:])
@@ -116,32 +99,7 @@ class CacheFillBroadcast(Prefetcher):
                 "the ranks disagree on the batch stream"
             )
         ints = self._bcast(torch.zeros(n + n_load, dtype=torch.int64))
-        slots, load = ints[:n], ints[n:]
-        payload = None
-        if n_load:
-            payload = self._bcast(torch.zeros(n_load, group.dim + group.cache_state.shape[1]))
-        with group.cond:
-            while replica.syncs < syncs:  # the slots rank 0 reused are free here only after that sync
-                if self._stop.is_set() or group.stop.is_set():
-                    raise PrefetchStopped()
-                group.cond.wait(timeout=0.1)
-            if n_load:
-                target = slots[load]
-                rows = plan.unique[load]
-                previous = group.slot_of_row[rows].to(torch.int64)
-                group.row_of_slot[previous[previous >= 0]] = -1
-                old = group.row_of_slot[target]
-                group.slot_of_row[old[old >= 0]] = -1
-                dev = target.to(group.device)
-                group.cache_rows.index_copy_(0, dev, payload[:, : group.dim].to(group.device))
-                group.cache_state.index_copy_(0, dev, payload[:, group.dim :].to(group.device))
-                group.row_of_slot[target] = rows
-                group.slot_of_row[rows] = target.to(torch.int32)
-                group.stats_["rows_loaded"] += n_load
-            group.pins[slots] += 1
-            group.inflight += 1
-            group.stats_["hits"] += n - n_load
-            group.stats_["misses"] += n_load
-        plan.slots = slots
-        plan.slots_device = slots.to(group.device, non_blocking=True)
-
+        values = self._bcast(torch.zeros(n_load, group.row_width)) if n_load else None
+        # The slots rank 0 reused are free here only after the average that freed them.
+        self.sync.wait_syncs(group, syncs, self._stop)
+        group.apply(plan, Fill(ints[:n], ints[n:]), values)

@@ -1,0 +1,164 @@
+"""A cache's batch costs what the batch touches, not a pass over every slot (issue 15, item 5).
+
+prepare() used to build capacity-sized masks to find room (which slots are
+evictable, how many, the least used one, the victims' top-k) whenever free
+slots ran out: for a 5 % cache of Criteo Kaggle, 1.7M slots a batch against a
+few thousand rows. These tests watch every torch call of prepare() with a
+TorchFunctionMode and count the results of at least a quarter of the slots
+(in-place results, the cache's own tensors, excluded) in a cache whose
+capacity is 50 times a batch. LRU caches never make one; an LFU cache merges
+its least-used bucket once per eviction pass, which frees evict_chunk slots
+(1/32 of the cache), so that pass is paid for by the slots it frees; a batch
+that evicts nothing never makes one. The eviction order itself is checked
+against a top-k over every slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from recsys_cli.embeddings.cache import CachedGroup
+from recsys_cli.embeddings.optim import RowOptimizer
+from recsys_cli.embeddings.plan import plan_lookup
+from recsys_cli.embeddings.store import RowStore
+from recsys_cli.embeddings.tables import TableSpec, init_table
+
+ROWS, SLOTS, BATCH = 200_000, 20_000, 400
+
+
+class LargeResults(TorchFunctionMode):
+    """Records every torch call whose result has at least `size` elements and
+    is none of its inputs (an in-place op returns its input)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.calls: list[str] = []
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused and isinstance(out, torch.Tensor) and out.numel() >= self.size:
+            inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+            if not any(a.data_ptr() == out.data_ptr() for a in inputs):
+                self.calls.append(getattr(func, "__name__", str(func)))
+        return out
+
+
+def _group(policy: str, lookahead: bool, precision: str) -> CachedGroup:
+    spec = TableSpec("t", ROWS, 4)
+    optimizer = RowOptimizer("sgd", 0.1)
+    store = RowStore(init_table(spec, 0), optimizer.initial_state(ROWS, torch.device("cpu")), precision)
+    return CachedGroup(tables=[spec], feature_tables=["t"], store=store, optimizer=optimizer, device=torch.device("cpu"),
+                       cache_slots=SLOTS, policy=policy, lookahead=lookahead, window=3, admit_all=precision == "fp32",
+                       store_tier="host")
+
+
+def _plan(values: torch.Tensor):
+    return plan_lookup(values, torch.ones(values.numel(), dtype=torch.int64), torch.tensor([values.numel()]),
+                       torch.zeros(1, dtype=torch.int64))
+
+
+def _warm_up(group: CachedGroup) -> None:
+    """Three passes over a hot set of exactly SLOTS rows: the cache is full,
+    every resident row used three times."""
+    for _ in range(3):
+        for start in range(0, SLOTS, BATCH):
+            plan = _plan(torch.arange(start, start + BATCH))
+            group.prepare(plan)
+            group.release(plan)
+    assert group.num_free == 0
+
+
+def _plans(count: int, seed: int = 0):
+    """Batches of BATCH ids: half from the hot set (hits), half from the rest
+    of the table (misses, each used about once: an LFU admission turns them away)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        hot = torch.randint(0, SLOTS, (BATCH // 2,), generator=gen)
+        cold = torch.randint(SLOTS, ROWS, (BATCH // 2,), generator=gen)
+        yield _plan(torch.cat([hot, cold]))
+
+
+def _watch_index(group: CachedGroup, mode: LargeResults) -> None:
+    """The row -> slot index rebuilds itself when removals pile up, amortised
+    over as many removals: not the cache's room search, not counted here."""
+    index = getattr(group, "slot_index", None)
+    if index is None:
+        return
+    for name in ("lookup", "insert", "remove", "contains", "clear"):
+        method = getattr(index, name, None)
+        if method is None:
+            continue
+
+        def paused(*args, _method=method, **kwargs):
+            mode.paused += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                mode.paused -= 1
+
+        setattr(index, name, paused)
+
+
+@pytest.mark.parametrize("policy,lookahead,precision", [
+    ("lru", True, "fp32"),  # lookahead: the window shrinks to make room
+    ("lru", False, "fp32"),
+    ("lfu", True, "fp32"),
+    ("lfu", False, "int8"),  # LFU admission: misses turned away, often with nothing evicted
+    ("lru", False, "int8"),
+])
+def test_prepare_never_scans_every_slot(policy, lookahead, precision):
+    group = _group(policy, lookahead, precision)
+    _warm_up(group)
+    mode = LargeResults(SLOTS // 4)
+    _watch_index(group, mode)
+    scanning, passes = 0, 0
+    for plan in _plans(120):
+        evicted = group.stats()["rows_evicted"]
+        before = len(mode.calls)
+        with mode:
+            group.prepare(plan)
+        group.release(plan)
+        freed = group.stats()["rows_evicted"] - evicted
+        passes += freed >= group.evict_chunk
+        if len(mode.calls) > before:
+            scanning += 1
+            assert freed >= group.evict_chunk, f"a batch that freed {freed} slots made {mode.calls[before:]}"
+    turned_away = group.stats()["not_admitted"] > 0
+    assert group.stats()["rows_evicted"] > 0 or turned_away
+    if policy == "lru":
+        assert mode.calls == []
+    else:
+        assert scanning <= passes
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_are_the_top_k_over_every_slot(policy):
+    """The eviction order is (score, slot) over the evictable slots, as a top-k would choose."""
+    group = _group(policy, False, "fp32")
+    _warm_up(group)
+    chosen = []
+    original = group._evict
+
+    def evict(at_least, protected, available, step):
+        resident = group.row_of_slot >= 0
+        evictable = resident & ~torch.isin(torch.arange(group.capacity), protected)
+        assert available == int(evictable.sum())
+        count = min(available, max(at_least, group.evict_chunk))
+        key = torch.where(evictable, group.score * group.capacity + torch.arange(group.capacity),
+                          torch.iinfo(torch.int64).max)
+        chosen.append(torch.sort(torch.topk(key, count, largest=False).indices).values)
+        before = group.row_of_slot.clone()
+        original(at_least, protected, available, step)
+        freed = torch.nonzero((before >= 0) & (group.row_of_slot < 0)).flatten()
+        assert torch.equal(freed, chosen[-1])
+
+    group._evict = evict
+    for plan in _plans(60, seed=1):
+        group.prepare(plan)
+        group.release(plan)
+    assert len(chosen) > 3

@@ -58,7 +58,11 @@ cannot hold one batch: CacheTooSmall, naming the numbers. Write-backs are
 keyed by the step of the batch that evicts (stochastic rounding, quant.py),
 so even their bits are fixed. Distributed cache_avg (train/strategies/cache_avg.py)
 also protects rows touched since the last cross-rank average as of batch
-j - w (`sync_points`), and asks for an early average when only they are left.
+j - w (`sync_points`); when only they are left, prepare raises NeedsAverage
+having changed nothing, and is called again after the average. The room is
+counted, never scanned: the protected slots of the window and the counters
+give how many slots may be evicted, and the victims come from SlotOrder
+(slot_order.py) in (score, slot) order, so a batch costs what it touches.
 
 Invariant 3, checkpoints do not perturb. cache_snapshot() and table_state()
 read a snapshot (the store, with dirty rows quantized into a copy for the

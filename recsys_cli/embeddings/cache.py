@@ -160,7 +160,7 @@ class CachedGroup(TableGroup):
         self.debug = DEBUG
         dev = self.device
         self.cache_rows = torch.zeros(cache_slots, self.dim, device=dev)
-        self.cache_state = torch.zeros(cache_slots, self.store.state.shape[1], device=dev)
+        self.cache_state = torch.zeros(cache_slots, self.store.state_width, device=dev)
         self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32)
         self.row_of_slot = torch.full((cache_slots,), -1, dtype=torch.int64)
         self.pins = torch.zeros(cache_slots, dtype=torch.int32)
@@ -209,7 +209,7 @@ class CachedGroup(TableGroup):
         # Host rows go to the device through pinned buffers: one pair for fills
         # (prefetch thread), one for rows the store serves in the step (trainer).
         staged = self.store.device.type == "cpu" and (side_stream or self.device.type != "cpu")
-        cols = self.store.state.shape[1]
+        cols = self.store.state_width
         self.fill_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
         self.step_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
 
@@ -543,7 +543,7 @@ class CachedGroup(TableGroup):
         staging = self.step_staging or (None, None)
         rows = torch.empty(plan.num_unique, self.dim, device=self.device)
         rows.index_copy_(0, served.cached_at, self.cache_rows.index_select(0, served.cached_slots))
-        rows.index_copy_(0, served.direct_at, self._to_device(self.store.rows.read(served.direct_rows), staging[0]))
+        rows.index_copy_(0, served.direct_at, self._to_device(self.store.read_rows(served.direct_rows), staging[0]))
         return rows
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
@@ -562,7 +562,7 @@ class CachedGroup(TableGroup):
         staging = self.step_staging or (None, None)
         state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
         state.index_copy_(0, served.cached_at, self.cache_state.index_select(0, served.cached_slots))
-        state.index_copy_(0, served.direct_at, self._to_device(self.store.state.index_select(0, direct), staging[1]))
+        state.index_copy_(0, served.direct_at, self._to_device(self.store.read_state(direct), staging[1]))
         rows, state = self.optimizer.step(rows, state, grad)
         self.cache_rows.index_copy_(0, served.cached_slots, rows.index_select(0, served.cached_at))
         self.cache_state.index_copy_(0, served.cached_slots, state.index_select(0, served.cached_at))
@@ -639,7 +639,7 @@ class CachedGroup(TableGroup):
         with self.cond:
             slots = self.slot_of_row[ids].to(torch.int64)
             hit_at = torch.nonzero(slots >= 0).flatten()  # host index tensors: no mask on a device tensor
-            rows = self.store.rows.read(ids.to(self.store.device)).to(self.device)
+            rows = self.store.read_rows(ids.to(self.store.device)).to(self.device)
             if hit_at.numel():
                 self._wait_fills()
                 rows.index_copy_(0, hit_at.to(self.device), self.cache_rows.index_select(0, slots[hit_at].to(self.device)))
@@ -652,23 +652,18 @@ class CachedGroup(TableGroup):
         with self.cond:
             return super().table_state()
 
-    def _snapshot_rows(self, lo: int, hi: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _snapshot_patch(self, lo: int, hi: int):
         slots = torch.nonzero(self.dirty).flatten()
         rows = self.row_of_slot[slots]
         inside = (rows >= lo) & (rows < hi)
         slots, rows = slots[inside], rows[inside]
         if rows.numel() == 0:
-            return
+            return None
         dev_slots = slots.to(self.device)
         self._wait_fills()
         values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
         encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
-        local = rows - lo
-        for name in [*encoded, "state"]:
-            tensors[name] = tensors[name].clone()  # a view of the live store must not change
-        for name, t in encoded.items():
-            tensors[name][local] = t.cpu()
-        tensors["state"][local] = self.cache_state.index_select(0, dev_slots).cpu()
+        return rows - lo, encoded, self.cache_state.index_select(0, dev_slots)
 
     def cache_snapshot(self) -> dict:
         """Everything that makes the cache what it is, for a checkpoint: with
@@ -679,12 +674,13 @@ class CachedGroup(TableGroup):
             dirty_rows = self.row_of_slot[self.dirty]
             ids = dirty_rows.to(self.store.device)
             self._wait_fills()
+            store_dirty, store_dirty_state = self.store.read_encoded(ids)
             return {
                 "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
                 "tables": [(t.name, t.num_rows) for t in self.tables],
                 # The store's own (stale) copy of dirty rows: the table snapshot holds their cached values.
-                "store_dirty": {k: v.index_select(0, ids).cpu() for k, v in self.store.rows.tensors().items()},
-                "store_dirty_state": self.store.state.index_select(0, ids).cpu(),
+                "store_dirty": {k: v.cpu() for k, v in store_dirty.items()},
+                "store_dirty_state": store_dirty_state.cpu(),
                 "cache_rows": self.cache_rows.cpu().clone(), "cache_state": self.cache_state.cpu().clone(),
                 "row_of_slot": self.row_of_slot.clone(), "dirty": self.dirty.clone(), "score": self.score.clone(),
                 "free_slots": self.free_slots.clone(), "num_free": self.num_free, "clock": self.clock,
@@ -710,10 +706,7 @@ class CachedGroup(TableGroup):
             if not same:
                 return False
             dirty_rows = saved["row_of_slot"][saved["dirty"]].to(self.store.device)
-            for k, v in self.store.rows.tensors().items():
-                v.index_copy_(0, dirty_rows, saved["store_dirty"][k].to(v.device))
-            if self.store.state.numel():
-                self.store.state.index_copy_(0, dirty_rows, saved["store_dirty_state"].to(self.store.device))
+            self.store.write_encoded(dirty_rows, saved["store_dirty"], saved["store_dirty_state"])
             self.cache_rows.copy_(saved["cache_rows"])
             self.cache_state.copy_(saved["cache_state"])
             self.row_of_slot.copy_(saved["row_of_slot"])
@@ -774,10 +767,10 @@ class CachedGroup(TableGroup):
         if self.row_uses is not None:
             index.append(self.row_uses)
         index_bytes = sum(t.numel() * t.element_size() for t in index)
-        return [(self.store_tier, "table", self.store.nbytes()), ("device", "cache", cache), ("host", "index", index_bytes)]
+        return [*self.store.memory(self.store_tier), ("device", "cache", cache), ("host", "index", index_bytes)]
 
     def stats(self) -> dict:
-        s = dict(self.counters)
+        s = {**self.counters, **self.store.stats()}
         s["cache_slots"] = self.capacity
         total = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / total if total else None

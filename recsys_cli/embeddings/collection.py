@@ -204,10 +204,10 @@ class EmbeddingBagCollection(nn.Module):
             g.load_cache_snapshot(s, step)
 
     def memory(self) -> dict[str, int]:
-        """Bytes allocated by tier (device, host) and by what they hold:
+        """Bytes allocated by tier (device, host, disk) and by what they hold:
         tables (rows in their precision plus optimizer state), fp32 cache
         slots, and the cache's index (row-to-slot map, pins, victim scores)."""
-        total = {"device": 0, "host": 0, "table": 0, "cache": 0, "index": 0}
+        total = {"device": 0, "host": 0, "disk": 0, "table": 0, "cache": 0, "index": 0}
         for g in self.groups:
             for tier, kind, n in g.memory():
                 total[tier] += n

@@ -82,3 +82,79 @@ class RowStore:
     def nbytes(self) -> int:
         return self.rows.nbytes() + self.state.numel() * self.state.element_size()
 
+    # --- the rest of the store protocol: what a cache and a checkpoint use -----
+    # (the disk store, disk_store.py, implements the same methods over files)
+    @property
+    def state_width(self) -> int:
+        """fp32 optimizer values per row (0: SGD, 1: row-wise Adagrad)."""
+        return self.state.shape[1]
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows of `ids`, without their state."""
+        return self.rows.read(ids)
+
+    def read_state(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.state.index_select(0, ids)
+
+    def read_encoded(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The stored bits of `ids` (native tensors, state), copies: what write_encoded puts back."""
+        return {k: v.index_select(0, ids) for k, v in self.rows.tensors().items()}, self.state.index_select(0, ids)
+
+    def write_encoded(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> None:
+        for k, v in self.rows.tensors().items():
+            v.index_copy_(0, ids, encoded[k].to(v.device))
+        if self.state.numel():
+            self.state.index_copy_(0, ids, state.to(self.device))
+
+    def memory(self, tier: str) -> list[tuple[str, str, int]]:
+        """(tier, what, bytes) of what the store allocates (TableGroup.memory)."""
+        return [(tier, "table", self.nbytes())]
+
+    def stats(self) -> dict:
+        return {}
+
+    def table_snapshot(self, spec, lo: int, hi: int, patch=None) -> dict:
+        """Table `spec` (fused rows [lo, hi)) for a checkpoint, in native tensors:
+        views of the store (torch.save writes their shared storage once, so a
+        checkpoint of large host tables does not double host memory), copied
+        only where `patch` (local ids, encoded rows, state: rows that live in a
+        cache) replaces rows."""
+        tensors = {k: v[lo:hi].cpu() for k, v in self.rows.tensors().items()}
+        tensors["state"] = self.state[lo:hi].cpu()
+        if patch is not None:
+            local, encoded, state = patch
+            for name in [*encoded, "state"]:
+                tensors[name] = tensors[name].clone()  # a view of the live store must not change
+            for name, t in encoded.items():
+                tensors[name][local] = t.cpu()
+            tensors["state"][local] = state.cpu()
+        return {"precision": self.precision, **tensors}
+
+    def load_table(self, spec, lo: int, hi: int, saved: dict) -> None:
+        """Load what table_snapshot wrote, from any placement (a disk checkpoint
+        is read whole); a table saved in another precision is converted through fp32."""
+        from recsys_cli.embeddings.disk_checkpoint import materialize
+        from recsys_cli.embeddings.quant import CONVERT_STEP
+
+        saved = materialize(saved)
+        if saved["precision"] == self.precision:
+            for k, v in self.rows.tensors().items():
+                v[lo:hi] = saved[k].to(v.device)
+        else:
+            ids = torch.arange(lo, hi, device=self.device)
+            self.rows.write(ids, decode_saved(saved, spec.dim).to(self.device), self.key(ids, CONVERT_STEP))
+        state = saved["state"].to(self.device)
+        if state.shape[1] == self.state.shape[1]:
+            self.state[lo:hi] = state
+
+
+def decode_saved(saved: dict, dim: int) -> torch.Tensor:
+    """fp32 rows of a table saved in native tensors ({"precision", field: tensor})."""
+    from recsys_cli.embeddings.quant import make_rows
+
+    rows = make_rows(torch.zeros(0, dim), saved["precision"])
+    for k in rows.tensors():
+        setattr(rows, k, saved[k])
+    n = next(iter(rows.tensors().values())).shape[0]
+    return rows.read(torch.arange(n))
+

@@ -135,24 +135,21 @@ class TableGroup(abc.ABC):
     # --- whole-table access: checkpoints and reports -----------------------
     def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per table, the current rows in the store's native tensors (rows in
-        their precision and the optimizer state). Reading it changes nothing in
-        the live run. Host stores give views, not copies (torch.save writes
-        their shared storage once), so a checkpoint of large host tables does
-        not double host memory; only rows that live elsewhere (a cache's dirty
-        rows) are patched into copies. Copy the views to keep a snapshot while
-        training goes on."""
+        their precision and the optimizer state), as the store snapshots them
+        (RowStore.table_snapshot: views of a host store; a disk store: the rows
+        changed since its last checkpoint, written by the checkpoint). Reading
+        it changes nothing in the live run; rows that live elsewhere (a cache's
+        dirty rows) are patched into the snapshot."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            tensors = {k: v[lo:hi].cpu() for k, v in self.store.rows.tensors().items()}
-            tensors["state"] = self.store.state[lo:hi].cpu()
-            self._snapshot_rows(lo, hi, tensors)
-            out[t.name] = {"precision": self.store.precision, **tensors}
+            out[t.name] = self.store.table_snapshot(t, lo, hi, self._snapshot_patch(lo, hi))
         return out
 
-    def _snapshot_rows(self, lo: int, hi: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Put rows of [lo, hi) that live elsewhere than the store (a cache)
-        into `tensors`, replacing a view of the store by a copy before writing."""
+    def _snapshot_patch(self, lo: int, hi: int):
+        """(local ids, encoded rows, state) of rows of [lo, hi) that live
+        elsewhere than the store (a cache), or None."""
+        return None
 
     def cache_snapshot(self) -> dict | None:
         """What a checkpoint needs beyond table_state to resume exactly (a cache's slots)."""
@@ -162,26 +159,10 @@ class TableGroup(abc.ABC):
         return saved is None
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
-        """Load what table_state wrote, from any placement; a table saved in
-        another precision is converted through fp32."""
-        from recsys_cli.embeddings.quant import CONVERT_STEP, make_rows
-
+        """Load what table_state wrote, from any placement (RowStore.load_table)."""
         for t in self.tables:
-            saved = tables[t.name]
-            lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            ids = torch.arange(lo, hi, device=self.store.device)
-            if saved["precision"] == self.store.precision:
-                for k, v in self.store.rows.tensors().items():
-                    v[lo:hi] = saved[k].to(v.device)
-            else:
-                rows = make_rows(torch.zeros(0, t.dim), saved["precision"])
-                for k in rows.tensors():
-                    setattr(rows, k, saved[k])
-                fp32 = rows.read(torch.arange(t.num_rows))
-                self.store.rows.write(ids, fp32.to(self.store.device), self.store.key(ids, CONVERT_STEP))
-            state = saved["state"].to(self.store.device)
-            if state.shape[1] == self.store.state.shape[1]:
-                self.store.state[lo:hi] = state
+            lo = self.row_offset[t.name]
+            self.store.load_table(t, lo, lo + t.num_rows, tables[t.name])
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -189,10 +170,10 @@ class TableGroup(abc.ABC):
 
     def memory(self) -> list[tuple[str, str, int]]:
         """Bytes actually allocated: (tier "device"|"host", what "table"|"cache"|"index", bytes)."""
-        return [(self.store_tier, "table", self.store.nbytes())]
+        return self.store.memory(self.store_tier)
 
     def stats(self) -> dict:
-        return {}
+        return self.store.stats()
 
 
 class DirectGroup(TableGroup):

@@ -47,7 +47,7 @@ class ModelConfig:
 
 @dataclass
 class PlacementConfig:
-    # device (alias gpu) | host (alias uvm) | lookahead | cache | auto
+    # device (alias gpu) | host (alias uvm) | lookahead | cache | disk | auto
     kind: str = "device"
     # Cache size in rows for lookahead/cache; when unset, cache_ratio of all rows.
     cache_rows: Optional[int] = None
@@ -60,6 +60,14 @@ class PlacementConfig:
     device_max_rows: Optional[int] = None
     # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB").
     device_memory_budget: Optional[str] = None
+    # disk: the directory of the tables' files (a fresh subdirectory, deleted
+    # at exit; unset: the system's temporary directory), and the host cache of
+    # rows in front of them (rows; unset: host_cache_ratio of all rows).
+    disk_path: Optional[str] = None
+    host_cache_rows: Optional[int] = None
+    host_cache_ratio: float = 0.05
+    # auto: bytes of host memory the tables may use; tables that do not fit go to disk.
+    host_memory_budget: Optional[str] = None
 
 
 @dataclass
@@ -145,7 +153,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-PLACEMENTS = ("device", "gpu", "host", "uvm", "lookahead", "cache", "auto")  # gpu, uvm: old names
+PLACEMENTS = ("device", "gpu", "host", "uvm", "lookahead", "cache", "disk", "auto")  # gpu, uvm: old names
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.interaction": ("dot", "cat", "dcn"),

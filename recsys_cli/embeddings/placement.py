@@ -77,8 +77,13 @@ def build_embeddings(
         groups.setdefault((placements[t.name], precisions[t.name]), []).append(t)
     built = []
     for (kind, table_precision), specs in groups.items():
-        weights = torch.cat([init_table(t, seed) for t in specs])
         table_rows = [(features.index(t.name), t.num_rows) for t in specs]  # rounding keys: the table, not its group
+        if kind == "disk":  # built straight into its file, never whole in memory
+            group = make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device,
+                                    seed, cache_rows)
+            built.append(([t.name for t in specs], group))
+            continue
+        weights = torch.cat([init_table(t, seed) for t in specs])
         group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
                            seed, cache_rows, table_rows)
         built.append(([t.name for t in specs], group))
@@ -114,6 +119,31 @@ def make_group(kind, table_precision, specs, weights, placement, precision, opti
             lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32",
         )
     return DirectGroup(**args, kind=kind)
+
+
+def make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device, seed,
+                    cache_rows=None):
+    """`disk`: the tables in a DiskRowStore (rows in their precision and
+    optimizer state in a file under placement.disk_path, behind a host cache
+    of placement.host_cache_rows / host_cache_ratio rows), behind the
+    lookahead fp32 cache, whose prefetcher does the disk reads and
+    write-backs on its own thread."""
+    from recsys_cli.embeddings.cache import CachedGroup, cache_slots
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+
+    num_rows = sum(t.num_rows for t in specs)
+    host_rows = placement.host_cache_rows
+    if host_rows is None:
+        host_rows = int(round(num_rows * placement.host_cache_ratio))
+    store = DiskRowStore(specs, [n for n, _ in table_rows], table_precision, precision.rounding, seed,
+                         1 if optimizer.has_state else 0, optimizer.initial_accumulator, placement.disk_path,
+                         host_rows)
+    rows = cache_rows if cache_rows is not None else placement.cache_rows
+    return CachedGroup(
+        tables=specs, feature_tables=[t.name for t in specs], store=store, optimizer=optimizer, device=device,
+        store_tier="host", cache_slots=cache_slots(num_rows, rows, placement.cache_ratio), policy=placement.policy,
+        lookahead=True, window=placement.window, admit_all=table_precision == "fp32",
+    )
 
 
 def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,

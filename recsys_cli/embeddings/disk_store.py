@@ -1,0 +1,472 @@
+"""DiskRowStore: a group's rows and optimizer state in a file on local disk,
+behind a bounded host cache of rows.
+
+The store implements RowStore's protocol (store.py: read/write/encode,
+read_rows/read_state, read_encoded/write_encoded, table_snapshot/load_table,
+memory/stats), so a CachedGroup (cache.py) sits in front of it exactly as in
+front of a host store: `+placement=disk` is the lookahead cache over this
+store, and every invariant of the cache (one owner per row, residency from
+the batches alone, exact resume) holds unchanged. Values are stored bit for
+bit as a RowStore stores them (the same encode, keyed by the same rounding
+keys), so a disk group trains to exactly the bits of the same group in host
+memory, in every precision.
+
+File layout: one file of fixed-size records, row r at offset r * R. A record
+is the row's native fields (quant.py: fp32 or fp16 weights; int8/int4 codes
+then fp16 scale and bias) followed by its fp32 optimizer state, so one read
+brings a row and its state.
+
+I/O path (README, "Disk placement"): explicit os.preadv / os.pwritev on that
+file, with this store's own host cache of rows, not mmap. Why: the host
+memory a run uses must be bounded by configuration (placement.host_cache_rows
+/ host_cache_ratio), and with mmap the resident pages are the kernel's
+choice (they count in the process's RSS, and madvise is only advice); with
+explicit reads the store decides what stays, reads a batch's misses sorted
+and coalesced (neighbouring rows within one page come in one read), and
+writes dirty rows back in batches, sorted, in runs of consecutive rows. A
+page-cache miss in mmap also stalls whichever thread touches the page,
+where a pread stalls only the prefetch thread that issued it.
+
+The host cache is a write-back victim cache of the device cache: rows the
+cache writes back (evicts) are admitted, dirty, and reach the file when the
+host cache evicts them (least recently used first, in chunks of
+host_cache_rows / 32, so write-backs come in sorted batches); a read that
+misses goes to the file and is not admitted (the row moves into the device
+cache, which owns it until it comes back here). Its index is a SlotIndex
+sized to the host cache, never to the table. Within the store a row has one
+current value: its host slot when it has one, else the file.
+
+Thread safety: the lookahead prefetcher reads and writes back on its own
+thread while the trainer reads and updates rows the device cache does not
+hold (low precision) and reads for evaluation: one lock serialises the
+store. Which rows sit in the host cache then depends on thread timing, but
+never a value: each row's reads and writes are ordered by the cache in front.
+
+Building: the file is filled chunk by chunk straight from init_rows (the
+counter-based initialisation of tables.py, the same values in any chunking,
+placement or precision), encoded with the initial rounding keys RowStore
+uses: memory for one chunk, whatever the table's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from recsys_cli.embeddings.quant import INIT_STEP, empty_rows
+from recsys_cli.embeddings.slot_index import SlotIndex
+from recsys_cli.embeddings.store import RowStore
+from recsys_cli.embeddings.tables import TableSpec, init_rows
+from recsys_cli.errors import UserError
+
+PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
+BUILD_ELEMENTS = 1 << 16  # values initialised per piece (tables.py: temporaries that stay in cache)
+COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
+
+
+def disk_error(path, e: OSError, doing: str) -> UserError:
+    """One line naming the path and what failed (full disk, unwritable path)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return UserError(f"{path}: no space left while {doing} ({e.strerror}); free disk space or set "
+                         "placement.disk_path to a larger disk")
+    return UserError(f"{path}: cannot {doing}: {e.strerror or e}; set placement.disk_path to a writable directory")
+
+
+class RecordCodec:
+    """Rows in one precision (plus state) <-> fixed-size byte records."""
+
+    def __init__(self, dim: int, precision: str, rounding: str, state_width: int) -> None:
+        self.dim, self.precision, self.rounding, self.state_width = dim, precision, rounding, state_width
+        self.rows = empty_rows(0, dim, precision, rounding)  # the encoder (encode uses no stored rows)
+        proto = empty_rows(1, dim, precision, rounding)
+        self.fields = [(name, t.dtype, t.shape[1] * t.element_size()) for name, t in proto.tensors().items()]
+        self.fields.append(("state", torch.float32, state_width * 4))
+        self.record_bytes = sum(nbytes for _, _, nbytes in self.fields)
+
+    def pack(self, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
+        """uint8 [n, R] records of encoded rows and their state."""
+        n = state.shape[0]
+        parts = [({**encoded, "state": state}[name].contiguous().view(torch.uint8).reshape(n, nbytes))
+                 for name, _, nbytes in self.fields]
+        return torch.cat(parts, dim=1)
+
+    def unpack(self, records: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(native fields, state) of uint8 [n, R] records (copies)."""
+        out, col = {}, 0
+        for name, dtype, nbytes in self.fields:
+            out[name] = records[:, col:col + nbytes].contiguous().view(dtype)
+            col += nbytes
+        state = out.pop("state")
+        return out, state
+
+    def decode(self, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
+        """fp32 rows of native fields (quant.py's read on these tensors)."""
+        rows = empty_rows(0, self.dim, self.precision, self.rounding)
+        for name, t in encoded.items():
+            setattr(rows, name, t)
+        n = next(iter(encoded.values())).shape[0]
+        return rows.read(torch.arange(n))
+
+
+class DiskRowStore:
+    """Rows of fused tables in a record file under `directory`, behind a host
+    cache of `host_cache_rows` records."""
+
+    # Rounding keys exactly as a RowStore makes them (seed, table, row within
+    # the table, step), from the same attributes: one implementation.
+    key = RowStore.key
+    encode = RowStore.encode
+
+    def __init__(self, tables: list[TableSpec], table_numbers: list[int], precision: str, rounding: str, seed: int,
+                 state_width: int, initial_state: float, directory: str | None, host_cache_rows: int) -> None:
+        self.tables = tables
+        self.dim = tables[0].dim
+        self.num_rows = sum(t.num_rows for t in tables)
+        self.seed = seed
+        self.device = torch.device("cpu")
+        self.initial_state = initial_state
+        sizes = torch.tensor([t.num_rows for t in tables], dtype=torch.int64)
+        self._table_start = torch.cumsum(sizes, 0) - sizes
+        self._table_number = torch.tensor(table_numbers, dtype=torch.int64)
+        self.codec = RecordCodec(self.dim, precision, rounding, state_width)
+        self.rows = self.codec.rows  # RowStore.encode encodes through self.rows
+        self.record_bytes = R = self.codec.record_bytes
+        self.lock = threading.RLock()
+        self.stats_ = dict(disk_bytes_read=0, disk_bytes_written=0, disk_bytes_needed=0, disk_reads=0,
+                           disk_writes=0, host_cache_hits=0, host_cache_misses=0, disk_io_seconds=0.0,
+                           disk_wait_seconds=0.0)
+        # The host cache: records in slots, a row -> slot index sized to it, LRU clock per slot.
+        self.host_capacity = max(0, min(int(host_cache_rows), self.num_rows))
+        H = self.host_capacity
+        self.host = torch.empty(H, R, dtype=torch.uint8)
+        self.index = SlotIndex(max(H, 1))
+        self.host_row = torch.full((H,), -1, dtype=torch.int64)
+        self.host_dirty = torch.zeros(H, dtype=torch.bool)
+        self.host_score = torch.zeros(H, dtype=torch.int64)
+        self.free = list(range(H - 1, -1, -1))
+        self.clock = 0
+        self.evict_chunk = max(1, H // 32)
+        # Checkpoints (disk_checkpoint.py): per table, the files of the last
+        # committed checkpoint's chain and the rows changed since it.
+        self.chain: list[dict | None] = [None] * len(tables)
+        self.changed: list[list[torch.Tensor]] = [[] for _ in tables]
+        self._open(directory)
+        self._build()
+
+    # --- the file ------------------------------------------------------------
+    def _open(self, directory: str | None) -> None:
+        parent = directory or tempfile.gettempdir()
+        need = self.num_rows * self.record_bytes
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self.directory = tempfile.mkdtemp(prefix="recsys-disk-", dir=parent)
+        except OSError as e:
+            raise disk_error(parent, e, "create the disk tables' directory") from None
+        self.path = os.path.join(self.directory, "rows.bin")
+        self._finalizer = weakref.finalize(self, _remove, self.directory)
+        free = shutil.disk_usage(self.directory).free
+        if need > free:
+            self.close()
+            raise UserError(f"{parent}: the disk tables need {need:,} bytes but the disk has {free:,} free; "
+                            "free disk space or set placement.disk_path to a larger disk")
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_and_remove, self.fd, self.directory)
+            if need:
+                os.posix_fallocate(self.fd, 0, need)  # the space now, not a full disk halfway through training
+        except OSError as e:
+            self.close()
+            raise disk_error(self.path, e, f"allocate {need:,} bytes of disk tables") from None
+
+    def close(self) -> None:
+        """Close and delete the store's file (its directory is the store's own)."""
+        self._finalizer()
+
+    def _build(self) -> None:
+        """Every table's initial rows, chunk by chunk, straight into the file."""
+        for t, spec in enumerate(self.tables):
+            self._build_table(t)
+
+    def _build_table(self, t: int) -> None:
+        spec, lo = self.tables[t], int(self._table_start[t])
+        step = max(1, BUILD_ELEMENTS // spec.dim)
+        for start in range(0, spec.num_rows, step):
+            end = min(start + step, spec.num_rows)
+            ids = torch.arange(lo + start, lo + end)
+            encoded = self.rows.encode(init_rows(spec, start, end, self.seed), self.key(ids, INIT_STEP))
+            state = torch.full((end - start, self.codec.state_width), self.initial_state, dtype=torch.float32)
+            self._pwrite_range(lo + start, self.codec.pack(encoded, state))
+
+    def _pwrite_range(self, first: int, records: torch.Tensor) -> None:
+        buf = records.numpy()
+        try:
+            written = os.pwritev(self.fd, [memoryview(buf).cast("B")], first * self.record_bytes)
+        except OSError as e:
+            raise disk_error(self.path, e, "write disk table rows") from None
+        if written != buf.nbytes:
+            raise UserError(f"{self.path}: short write ({written} of {buf.nbytes} bytes): is the disk full?")
+
+    def _pread_range(self, first: int, out: np.ndarray) -> None:
+        view = memoryview(out).cast("B")
+        done, offset = 0, first * self.record_bytes
+        while done < view.nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise RuntimeError(f"{self.path}: read past the end of the disk table at byte {offset + done}")
+            done += got
+
+    def _read_file(self, rows: torch.Tensor) -> torch.Tensor:
+        """Records of sorted distinct `rows` from the file: runs of rows less
+        than a page apart come in one read (the gap is read and dropped)."""
+        n, R = rows.numel(), self.record_bytes
+        out = torch.empty(n, R, dtype=torch.uint8)
+        if n == 0:
+            return out
+        start = time.perf_counter()
+        r = rows.numpy()
+        gap = max(0, PAGE_BYTES // R - 1)
+        breaks = np.flatnonzero(np.diff(r) > gap + 1) + 1
+        first_at = np.concatenate([[0], breaks])
+        last_at = np.concatenate([breaks - 1, [n - 1]])
+        starts, ends = r[first_at], r[last_at] + 1
+        spans = ends - starts
+        buf = np.empty((int(spans.sum()), R), dtype=np.uint8)
+        at = 0
+        for s, k in zip(starts.tolist(), spans.tolist()):
+            self._pread_range(s, buf[at:at + k])
+            at += k
+        base = np.cumsum(spans) - spans
+        run = np.repeat(np.arange(len(starts)), last_at - first_at + 1)
+        out.numpy()[:] = buf[base[run] + r - starts[run]]
+        self.stats_["disk_bytes_read"] += buf.nbytes
+        self.stats_["disk_bytes_needed"] += n * R
+        self.stats_["disk_reads"] += len(starts)
+        self.stats_["disk_io_seconds"] += time.perf_counter() - start
+        return out
+
+    def _write_file(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        """Records of distinct `rows` into the file, sorted, one write per run of consecutive rows."""
+        if rows.numel() == 0:
+            return
+        start = time.perf_counter()
+        order = torch.argsort(rows)
+        r, rec = rows[order].numpy(), records[order].numpy()
+        breaks = np.flatnonzero(np.diff(r) != 1) + 1
+        bounds = np.concatenate([[0], breaks, [len(r)]]).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            self._pwrite_range(int(r[a]), torch.from_numpy(rec[a:b]))
+        self.stats_["disk_bytes_written"] += rec.nbytes
+        self.stats_["disk_writes"] += len(bounds) - 1
+        self.stats_["disk_io_seconds"] += time.perf_counter() - start
+
+    # --- the host cache ----------------------------------------------------------
+    def _records(self, ids: torch.Tensor) -> torch.Tensor:
+        """Current records of `ids` (any order, repeats allowed), lock held; no admission."""
+        unique, inverse = torch.unique(ids.to(torch.int64), sorted=True, return_inverse=True)
+        out = torch.empty(unique.numel(), self.record_bytes, dtype=torch.uint8)
+        slots = self.index.lookup(unique) if self.host_capacity else torch.full_like(unique, -1)
+        hit_at = torch.nonzero(slots >= 0).flatten()
+        miss_at = torch.nonzero(slots < 0).flatten()
+        if hit_at.numel():
+            out[hit_at] = self.host[slots[hit_at]]
+        if miss_at.numel():
+            out[miss_at] = self._read_file(unique[miss_at])
+        return out, inverse, slots[hit_at], hit_at.numel(), miss_at.numel()
+
+    def _read(self, ids: torch.Tensor) -> torch.Tensor:
+        with self._locked():
+            out, inverse, hit_slots, hits, misses = self._records(ids)
+            if hits:
+                self.clock += 1
+                self.host_score[hit_slots] = self.clock
+            self.stats_["host_cache_hits"] += hits
+            self.stats_["host_cache_misses"] += misses
+            return out[inverse]
+
+    def _write(self, ids: torch.Tensor, records: torch.Tensor) -> None:
+        """Store records of distinct `ids`: into the host cache (dirty), the
+        file for what the cache has no room for."""
+        ids = ids.to(torch.int64)
+        with self._locked():
+            self._note_changed(ids)
+            if self.host_capacity == 0:
+                self._write_file(ids, records)
+                return
+            self.clock += 1
+            slots = self.index.lookup(ids)
+            present = torch.nonzero(slots >= 0).flatten()
+            if present.numel():
+                self.host[slots[present]] = records[present]
+                self.host_dirty[slots[present]] = True
+                self.host_score[slots[present]] = self.clock
+            new = torch.nonzero(slots < 0).flatten()
+            if new.numel() == 0:
+                return
+            resident = self.host_capacity - len(self.free)
+            room = len(self.free) + resident - present.numel()  # slots not holding this write's rows
+            admit, direct = new[:room], new[room:]
+            self._write_file(ids[direct], records[direct])
+            if admit.numel() > len(self.free):
+                self._evict(max(admit.numel() - len(self.free), self.evict_chunk))
+            got = torch.tensor([self.free.pop() for _ in range(admit.numel())], dtype=torch.int64)
+            self.index.insert(ids[admit], got)
+            self.host_row[got] = ids[admit]
+            self.host[got] = records[admit]
+            self.host_dirty[got] = True
+            self.host_score[got] = self.clock
+
+    def _evict(self, count: int) -> None:
+        """Free `count` host slots (or all that may go), least recently used
+        first, ties by slot; dirty ones are written back in one sorted batch.
+        Slots used by the current write (score == clock) stay."""
+        evictable = (self.host_row >= 0) & (self.host_score < self.clock)
+        count = min(count, int(evictable.sum()))
+        if count == 0:
+            return
+        H = self.host_capacity
+        key = torch.where(evictable, self.host_score * H + torch.arange(H), torch.iinfo(torch.int64).max)
+        victims = torch.sort(torch.topk(key, count, largest=False, sorted=False).indices).values
+        dirty = victims[self.host_dirty[victims]]
+        self._write_file(self.host_row[dirty], self.host[dirty])
+        self.index.remove(self.host_row[victims])
+        self.host_row[victims] = -1
+        self.host_dirty[victims] = False
+        self.free.extend(victims.flip(0).tolist())
+
+    def _drop(self, lo: int, hi: int) -> None:
+        """Forget host-cached rows of [lo, hi) without writing them (the file was overwritten)."""
+        slots = torch.nonzero((self.host_row >= lo) & (self.host_row < hi)).flatten()
+        if slots.numel():
+            self.index.remove(self.host_row[slots])
+            self.host_row[slots] = -1
+            self.host_dirty[slots] = False
+            self.free.extend(slots.flip(0).tolist())
+
+    def flush(self) -> None:
+        """Write every dirty host-cached row to the file (benchmarks; never needed for correctness)."""
+        with self._locked():
+            dirty = torch.nonzero(self.host_dirty).flatten()
+            self._write_file(self.host_row[dirty], self.host[dirty])
+            self.host_dirty[dirty] = False
+
+    def _locked(self):
+        return _TimedLock(self)
+
+    def _note_changed(self, ids: torch.Tensor) -> None:
+        """Remember which rows changed since the last checkpoint (per table, local ids)."""
+        if len(self.tables) == 1:
+            table = torch.zeros_like(ids)
+        else:
+            table = torch.searchsorted(self._table_start, ids, right=True) - 1
+        for t in torch.unique(table).tolist():
+            local = ids[table == t] - self._table_start[t]
+            lst = self.changed[t]
+            lst.append(local)
+            if len(lst) > 64:  # bound the list: merge (memory grows with distinct changed rows only)
+                self.changed[t] = [torch.unique(torch.cat(lst))]
+
+    # --- RowStore's protocol -----------------------------------------------------
+    @property
+    def precision(self) -> str:
+        return self.codec.precision
+
+    @property
+    def state_width(self) -> int:
+        return self.codec.state_width
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded, state = self.codec.unpack(self._read(ids))
+        return self.codec.decode(encoded), state
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.read(ids)[0]
+
+    def read_state(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codec.unpack(self._read(ids))[1]
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, step: int | None = None) -> None:
+        keyed = self.precision != "fp32" and self.codec.rounding == "stochastic"
+        if keyed and step is None:
+            raise ValueError("a stochastically rounded write needs its step (the rounding key)")
+        ids = ids.cpu()
+        encoded = self.rows.encode(rows.cpu(), self.key(ids, step) if keyed else None)
+        if state.shape[1] != self.state_width:  # SGD writes an empty state
+            state = torch.full((ids.numel(), self.state_width), self.initial_state)
+        self._write(ids, self.codec.pack(encoded, state.cpu()))
+
+    def read_encoded(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        with self._locked():
+            out, inverse, *_ = self._records(ids)
+        return self.codec.unpack(out[inverse])
+
+    def write_encoded(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> None:
+        if state.shape[1] != self.state_width:
+            state = torch.full((ids.numel(), self.state_width), self.initial_state)
+        self._write(ids.cpu(), self.codec.pack(encoded, state))
+
+    def nbytes(self) -> int:
+        """Host bytes: the host cache and its index (the rows themselves are on disk)."""
+        return sum(b for tier, _, b in self.memory("disk") if tier == "host")
+
+    def memory(self, tier: str) -> list[tuple[str, str, int]]:
+        cache = self.host.numel() + sum(t.numel() * t.element_size()
+                                        for t in (self.host_row, self.host_dirty, self.host_score))
+        return [("disk", "table", self.num_rows * self.record_bytes), ("host", "cache", cache),
+                ("host", "index", self.index.nbytes())]
+
+    def stats(self) -> dict:
+        s = dict(self.stats_)
+        s["host_cache_rows"] = self.host_capacity
+        return s
+
+    # --- checkpoints (disk_checkpoint.py) -----------------------------------------
+    def table_snapshot(self, spec: TableSpec, lo: int, hi: int, patch=None):
+        from recsys_cli.embeddings.disk_checkpoint import DiskTableSnapshot
+
+        return DiskTableSnapshot(self, self.tables.index(spec), patch)
+
+    def load_table(self, spec: TableSpec, lo: int, hi: int, saved) -> None:
+        from recsys_cli.embeddings.disk_checkpoint import load_disk_table
+
+        with self._locked():
+            load_disk_table(self, self.tables.index(spec), saved)
+
+
+class _TimedLock:
+    """The store's lock; the time the trainer's (main) thread spends in the
+    store, waiting for the lock or for its own I/O, is disk_wait_seconds."""
+
+    __slots__ = ("store", "start")
+
+    def __init__(self, store: DiskRowStore) -> None:
+        self.store = store
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.store.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            self.store.stats_["disk_wait_seconds"] += time.perf_counter() - self.start
+        self.store.lock.release()
+
+
+def _remove(directory: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _close_and_remove(fd: int, directory: str) -> None:
+    try:
+        os.close(fd)
+    finally:
+        _remove(directory)

@@ -172,6 +172,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     the tables live (default: the device, except tables trained in host
     memory, which stay on the host when the device is a GPU)."""
     from recsys_cli.model.dlrm import DLRM
+    from recsys_cli.embeddings.disk_checkpoint import materialize
     from recsys_cli.train import checkpoint as ckpt
     from recsys_cli.train.trainer import resolve_device
 
@@ -183,7 +184,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     dev = resolve_device(device)
     cfg = state["config"]
     features = list(state["features"])
-    saved = [state["tables"][f] for f in features]
+    saved = [materialize(state["tables"][f]) for f in features]  # a disk table: read whole from its files
     trained = {s["precision"] for s in saved}
     if precision is None:
         if len(trained) > 1:  # placement=auto: fp32 device tables beside low-precision ones

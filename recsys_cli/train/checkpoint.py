@@ -2,7 +2,9 @@
 
 A checkpoint is one file, step-NNNNNNNN.pt, written to a temporary name and
 renamed; latest.json (also renamed into place) names the newest. A run
-killed at any moment leaves the previous checkpoint intact.
+killed at any moment leaves the previous checkpoint intact. Tables on disk
+write their own files first (a base and deltas of changed rows, see
+embeddings/disk_checkpoint.py; step-NNNNNNNN.files.json lists them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table, write_files_list
 from recsys_cli.errors import UserError, write_error
 
 LATEST = "latest.json"
@@ -23,8 +26,10 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     tmp = directory / f".{path.name}.tmp"
     latest_tmp = directory / f".{LATEST}.tmp"
     writing = path
+    disk_tables = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        state, disk_tables = _save_disk_tables(directory, step, state, path)
         torch.save(state, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -39,9 +44,28 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         then = (f"the last good checkpoint, {directory / json.loads(kept.read_text())['file']}, is kept"
                 if kept.is_file() else "no earlier checkpoint exists")
         raise write_error(writing, e, then) from None
+    for table in disk_tables:  # the checkpoint is in place: disk chains continue from it
+        table.committed()
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
+    if disk_tables or (directory / "disk").is_dir():
+        collect_garbage(directory)
     return path
+
+
+def _save_disk_tables(directory: Path, step: int, state: dict, path: Path) -> tuple[dict, list]:
+    """Disk tables (DiskTableSnapshot) write their files now and are replaced
+    by their manifests; the list of files goes beside the checkpoint."""
+    tables = state.get("tables") or {}
+    snapshots = [(name, t) for name, t in tables.items() if hasattr(t, "save_files")]
+    if not snapshots:
+        return state, []
+    saved, files = dict(tables), []
+    for name, t in snapshots:
+        saved[name] = t.save_files(directory, step)
+        files += saved[name]["files"]
+    write_files_list(path, files)
+    return {**state, "tables": saved}, [t for _, t in snapshots]
 
 
 def find_checkpoint(location: str | Path) -> Path:
@@ -72,9 +96,13 @@ def find_latest_run_checkpoint(outputs: Path) -> Path:
 
 def load_checkpoint(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
+    for table in (state.get("tables") or {}).values() if isinstance(state, dict) else ():
+        if is_disk_table(table):  # its files lie beside the checkpoint
+            table["directory"] = str(Path(path).parent)
+    return state
 
 
 # What a resumed run may change: where and in what precision the tables live,

@@ -1,0 +1,314 @@
+"""Checkpoints of disk tables: a base plus deltas of the rows changed since.
+
+Copying a 30 GB table at every checkpoint is what this avoids. A disk
+table's entry in a checkpoint is a small manifest naming files in the
+checkpoint directory (under disk/<table>/):
+
+  base      the whole table's records at some checkpoint (record layout of
+            disk_store.py), or none: the table's initial rows, which are a
+            pure function of (seed, table, precision) and are rebuilt
+  deltas    in order, the records of the rows changed since the previous
+            checkpoint of the chain: [n int64 row ids][n records]
+
+A save writes one delta of the rows changed since the last committed
+checkpoint (the store tracks them per table) plus the rows a cache holds
+dirty (patched in, encoded as a table snapshot encodes them), so its time
+and bytes grow with the rows changed, not with the table. When a chain's
+deltas add up to more than COMPACT_FRACTION of the table's rows, or the
+checkpoint directory is not the chain's, the save writes a new base instead
+(compaction). Every file gets a fresh name and is fsynced and renamed into
+place before the checkpoint file that names it; no save ever changes a file
+an earlier checkpoint names, so a save killed at any moment leaves the
+previous checkpoint whole. The chain only advances (committed) once the
+checkpoint and latest.json are in place. Files that no kept checkpoint
+names (its step-N.files.json lists them) are deleted after a save.
+
+Loading replays base and deltas into the live file chunk by chunk (bounded
+memory); another placement loading a disk table (or `recsys predict`) reads
+it whole with materialize().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, empty_rows
+from recsys_cli.embeddings.tables import TableSpec, init_rows
+from recsys_cli.errors import UserError
+
+COMPACT_FRACTION = 0.5  # deltas of more rows than this fraction of the table: write a new base
+CHUNK_BYTES = 16 << 20
+FORMAT = 1
+
+
+def is_disk_table(saved) -> bool:
+    return isinstance(saved, dict) and "disk" in saved
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _write_file(path: Path, chunks) -> int:
+    """Write byte chunks to a fresh temporary name, fsync, rename; the bytes written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(memoryview(chunk).cast("B"))
+                size += chunk.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+class DiskTableSnapshot:
+    """One disk table's entry in a checkpoint until the checkpoint writes it:
+    save_files() writes its files and returns the manifest the checkpoint
+    holds; committed() advances the store's chain once the checkpoint is in
+    place. patch: (local ids, encoded rows, state) of rows a cache holds dirty."""
+
+    def __init__(self, store, table: int, patch) -> None:
+        self.store, self.table, self.patch = store, table, patch
+        self.spec: TableSpec = store.tables[table]
+        self.lo = int(store._table_start[table])
+        self._chain = None
+
+    def save_files(self, directory: Path, step: int) -> dict:
+        store, spec = self.store, self.spec
+        root = str(Path(directory).resolve())
+        folder = Path(directory) / "disk" / _safe(spec.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = f"{step:08d}-{uuid.uuid4().hex[:8]}"
+        with store._locked():
+            chain = store.chain[self.table]
+            changed = self._changed()
+            if chain is None:  # the table's base is its initial rows
+                chain = {"root": root, "base": None, "deltas": [], "delta_rows": 0}
+            compact = (chain["root"] != root
+                       or chain["delta_rows"] + changed.numel() > COMPACT_FRACTION * spec.num_rows)
+            if compact:
+                name = folder / f"base-{tag}.bin"
+                _write_file(name, self._base_chunks())
+                chain = {"root": root, "base": str(name.relative_to(directory)), "deltas": [], "delta_rows": 0}
+            else:
+                name = folder / f"delta-{tag}.bin"
+                _write_file(name, self._delta_chunks(changed))
+                chain = {**chain, "deltas": [*chain["deltas"], {"file": str(name.relative_to(directory)),
+                                                                "rows": changed.numel()}],
+                         "delta_rows": chain["delta_rows"] + changed.numel()}
+        self._chain = chain
+        files = ([chain["base"]] if chain["base"] else []) + [d["file"] for d in chain["deltas"]]
+        return {"precision": store.precision, "disk": {**self._layout(), **chain, "root": None}, "files": files}
+
+    def committed(self) -> None:
+        store = self.store
+        store.chain[self.table] = self._chain
+        store.changed[self.table] = [self.patch[0].cpu()] if self.patch is not None else []
+
+    def _layout(self) -> dict:
+        s, spec = self.store, self.spec
+        return {"format": FORMAT, "table": spec.name, "rows": spec.num_rows, "dim": spec.dim,
+                "precision": s.precision, "rounding": s.codec.rounding, "state_width": s.state_width,
+                "record_bytes": s.record_bytes, "seed": s.seed, "table_number": int(s._table_number[self.table]),
+                "initial_state": s.initial_state}
+
+    def _changed(self) -> torch.Tensor:
+        parts = list(self.store.changed[self.table])
+        if self.patch is not None:
+            parts.append(self.patch[0].cpu())
+        return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def _patched(self, local: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+        """records of sorted `local` rows with the cache's dirty rows put in."""
+        if self.patch is None:
+            return records
+        ids, encoded, state = self.patch
+        ids = ids.cpu()
+        pos = torch.searchsorted(local, ids)
+        inside = (pos < local.numel()) & (local[pos.clamp(max=max(local.numel() - 1, 0))] == ids)
+        if bool(inside.any()):
+            at = torch.nonzero(inside).flatten()
+            packed = self.store.codec.pack({k: v.cpu()[at] for k, v in encoded.items()}, state.cpu()[at])
+            records[pos[at]] = packed
+        return records
+
+    def _delta_chunks(self, changed: torch.Tensor):
+        yield changed.numpy().astype(np.int64)
+        step = max(1, CHUNK_BYTES // self.store.record_bytes)
+        for a in range(0, changed.numel(), step):
+            local = changed[a:a + step]
+            records, inverse, *_ = self.store._records(local + self.lo)
+            yield self._patched(local, records[inverse]).numpy()
+
+    def _base_chunks(self):
+        step = max(1, CHUNK_BYTES // self.store.record_bytes)
+        for a in range(0, self.spec.num_rows, step):
+            local = torch.arange(a, min(a + step, self.spec.num_rows))
+            records, inverse, *_ = self.store._records(local + self.lo)
+            yield self._patched(local, records[inverse]).numpy()
+
+
+def _codec(layout: dict):
+    from recsys_cli.embeddings.disk_store import RecordCodec
+
+    return RecordCodec(layout["dim"], layout["precision"], layout["rounding"], layout["state_width"])
+
+
+def _path(saved: dict, name: str) -> Path:
+    directory = saved.get("directory")
+    if directory is None:
+        raise UserError("a disk table's checkpoint entry was loaded without its directory (use load_checkpoint)")
+    return Path(directory) / name
+
+
+def _read_exact(f, nbytes: int, path: Path) -> bytes:
+    data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise UserError(f"checkpoint file {path} is truncated ({len(data)} of {nbytes} bytes)")
+    return data
+
+
+def _deltas(saved: dict):
+    """(local ids, records uint8 [n, R]) chunks of every delta, in order."""
+    layout = saved["disk"]
+    R = layout["record_bytes"]
+    step = max(1, CHUNK_BYTES // R)
+    for d in layout["deltas"]:
+        path = _path(saved, d["file"])
+        n = d["rows"]
+        try:
+            with open(path, "rb") as f:
+                ids = np.frombuffer(_read_exact(f, 8 * n, path), dtype=np.int64)
+                for a in range(0, n, step):
+                    k = min(step, n - a)
+                    rec = np.frombuffer(_read_exact(f, k * R, path), dtype=np.uint8).reshape(k, R)
+                    yield torch.from_numpy(ids[a:a + k].copy()), torch.from_numpy(rec.copy())
+        except OSError as e:
+            raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
+
+
+def _base(saved: dict, codec):
+    """(first local row, records) chunks of the chain's base: a file, or the initial rows."""
+    layout = saved["disk"]
+    R, n = layout["record_bytes"], layout["rows"]
+    step = max(1, CHUNK_BYTES // R)
+    if layout["base"] is None:
+        spec = TableSpec(layout["table"], n, layout["dim"])
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            local = torch.arange(a, b)
+            key = RoundingKey(layout["seed"], torch.full_like(local, layout["table_number"]), local, INIT_STEP)
+            encoded = codec.rows.encode(init_rows(spec, a, b, layout["seed"]), key)
+            state = torch.full((b - a, layout["state_width"]), layout["initial_state"], dtype=torch.float32)
+            yield a, codec.pack(encoded, state)
+        return
+    path = _path(saved, layout["base"])
+    try:
+        with open(path, "rb") as f:
+            for a in range(0, n, step):
+                k = min(step, n - a)
+                rec = np.frombuffer(_read_exact(f, k * R, path), dtype=np.uint8).reshape(k, R)
+                yield a, torch.from_numpy(rec.copy())
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
+
+
+def materialize(saved):
+    """A table entry as native tensors ({"precision", fields, "state"}): a
+    disk table is read whole (base and deltas); others are returned as they are."""
+    if not is_disk_table(saved):
+        return saved
+    layout = saved["disk"]
+    codec = _codec(layout)
+    records = torch.empty(layout["rows"], layout["record_bytes"], dtype=torch.uint8)
+    for a, rec in _base(saved, codec):
+        records[a:a + rec.shape[0]] = rec
+    for ids, rec in _deltas(saved):
+        records[ids] = rec
+    fields, state = codec.unpack(records)
+    return {"precision": layout["precision"], **fields, "state": state}
+
+
+def load_disk_table(store, table: int, saved) -> None:
+    """Replace table `table` of a DiskRowStore with a checkpoint's entry (lock held)."""
+    spec = store.tables[table]
+    lo = int(store._table_start[table])
+    store._drop(lo, lo + spec.num_rows)
+    layout = saved.get("disk") if is_disk_table(saved) else None
+    same = layout is not None and all(layout[k] == v for k, v in (
+        ("rows", spec.num_rows), ("dim", spec.dim), ("precision", store.precision),
+        ("rounding", store.codec.rounding), ("state_width", store.state_width),
+        ("record_bytes", store.record_bytes), ("seed", store.seed),
+        ("table_number", int(store._table_number[table]))))
+    if same:  # replay the chain into the live file, chunk by chunk
+        for a, rec in _base(saved, store.codec):
+            store._write_file(torch.arange(lo + a, lo + a + rec.shape[0]), rec)
+        for ids, rec in _deltas(saved):
+            store._write_file(ids + lo, rec)
+        store.chain[table] = {k: layout[k] for k in ("base", "deltas", "delta_rows")}
+        store.chain[table]["root"] = str(Path(saved["directory"]).resolve())
+        store.changed[table] = []
+        return
+    # Another placement, precision or layout: through native tensors (the table whole).
+    tensors = materialize(saved)
+    step = max(1, CHUNK_BYTES // store.record_bytes)
+    for a in range(0, spec.num_rows, step):
+        b = min(a + step, spec.num_rows)
+        ids = torch.arange(lo + a, lo + b)
+        state = tensors["state"][a:b]
+        if state.shape[1] != store.state_width:
+            state = torch.full((b - a, store.state_width), store.initial_state, dtype=torch.float32)
+        if tensors["precision"] == store.precision:
+            encoded = {name: tensors[name][a:b] for name, *_ in store.codec.fields if name != "state"}
+        else:
+            from recsys_cli.embeddings.store import decode_saved
+
+            part = {k: (v[a:b] if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
+            encoded = store.rows.encode(decode_saved(part, spec.dim), store.key(ids, CONVERT_STEP))
+        store._write_file(ids, store.codec.pack(encoded, state))
+    store.chain[table] = {"root": None, "base": None, "deltas": [], "delta_rows": 0}  # next save: a new base
+    store.changed[table] = []
+
+
+# --- the checkpoint directory --------------------------------------------------------
+def files_list(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name[: -len(".pt")] + ".files.json")
+
+
+def write_files_list(checkpoint: Path, files: list[str]) -> None:
+    path = files_list(checkpoint)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(sorted(set(files))))
+    os.replace(tmp, path)
+
+
+def collect_garbage(directory: Path) -> None:
+    """Delete disk-table files that no checkpoint left in `directory` names."""
+    disk = Path(directory) / "disk"
+    if not disk.is_dir():
+        return
+    keep: set[str] = set()
+    for ckpt in Path(directory).glob("step-*.pt"):
+        lst = files_list(ckpt)
+        if lst.is_file():
+            keep.update(json.loads(lst.read_text()))
+    for lst in Path(directory).glob("step-*.files.json"):
+        if not lst.with_name(lst.name[: -len(".files.json")] + ".pt").exists():
+            lst.unlink(missing_ok=True)
+    for f in disk.glob("*/*"):
+        if re.fullmatch(r"(base|delta)-\d+-[0-9a-f]+\.bin|\.(base|delta)-.*\.tmp-\d+", f.name):
+            if str(f.relative_to(directory)) not in keep:
+                f.unlink(missing_ok=True)

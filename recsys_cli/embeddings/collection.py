@@ -223,4 +223,9 @@ class EmbeddingBagCollection(nn.Module):
         if "hits" in merged:
             total = merged["hits"] + merged["misses"]
             merged["hit_rate"] = merged["hits"] / total if total else None
+        if "disk_bytes_needed" in merged:  # the disk tier (disk_store.py)
+            needed = merged["disk_bytes_needed"]
+            merged["disk_read_amplification"] = merged["disk_bytes_read"] / needed if needed else None
+            host = merged["host_cache_hits"] + merged["host_cache_misses"]
+            merged["host_cache_hit_rate"] = merged["host_cache_hits"] / host if host else None
         return merged

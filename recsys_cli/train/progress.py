@@ -82,6 +82,15 @@ def summary_table(summary: dict) -> Table:
         add("cache fill seconds", f"{cache['prepare_seconds']:.2f}")
         if "window_used_mean" in cache:
             add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
+        if "disk_bytes_read" in cache:  # the disk tier
+            add("disk tables / host cache rows", f"{_bytes(mem.get('disk', 0))} / {cache['host_cache_rows']:,}")
+            add("disk bytes read / written per step", f"{_bytes(cache.get('disk_bytes_read_per_step', 0))} / "
+                                                      f"{_bytes(cache.get('disk_bytes_written_per_step', 0))}")
+            amp, hit = cache.get("disk_read_amplification"), cache.get("host_cache_hit_rate")
+            add("disk read amplification / host cache hit rate",
+                f"{'-' if amp is None else f'{amp:.2f}'} / {'-' if hit is None else f'{hit:.3f}'}")
+            add("disk I/O seconds / trainer waited on disk",
+                f"{cache['disk_io_seconds']:.2f} / {cache['disk_wait_seconds']:.2f}")
     elif "bytes_to_device" in cache:
         add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
     dup = summary["duplication"]

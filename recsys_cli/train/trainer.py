@@ -458,6 +458,9 @@ class Trainer:
             "train_calibration": self.train_calibration(),
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
+        if "disk_bytes_read" in summary["cache"] and self.step:  # the disk tier, per training step
+            for key in ("disk_bytes_read", "disk_bytes_written", "disk_wait_seconds"):
+                summary["cache"][f"{key}_per_step"] = summary["cache"][key] / self.step
         if self.window_used:
             summary["cache"]["window_used_min"] = min(self.window_used)
             summary["cache"]["window_used_mean"] = sum(self.window_used) / len(self.window_used)

@@ -67,6 +67,8 @@ from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.tables import TableSpec, init_rows
 from recsys_cli.errors import UserError
 
+DIR_PREFIX = "recsys-disk-"  # a live store's own directory under placement.disk_path
+OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
 BUILD_ELEMENTS = 1 << 16  # values initialised per piece (tables.py: temporaries that stay in cache)
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
@@ -167,7 +169,10 @@ class DiskRowStore:
         need = self.num_rows * self.record_bytes
         try:
             os.makedirs(parent, exist_ok=True)
-            self.directory = tempfile.mkdtemp(prefix="recsys-disk-", dir=parent)
+            _remove_orphans(parent)
+            self.directory = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
+            with open(os.path.join(self.directory, OWNER), "w") as f:
+                f.write(str(os.getpid()))
         except OSError as e:
             raise disk_error(parent, e, "create the disk tables' directory") from None
         self.path = os.path.join(self.directory, "rows.bin")
@@ -459,6 +464,22 @@ class _TimedLock:
         if threading.current_thread() is threading.main_thread():
             self.store.stats_["disk_wait_seconds"] += time.perf_counter() - self.start
         self.store.lock.release()
+
+
+def _remove_orphans(parent: str) -> None:
+    """Delete live-table directories whose process is gone (killed runs
+    cannot clean up after themselves); only directories this tool made."""
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith(DIR_PREFIX) or not os.path.isfile(os.path.join(path, OWNER)):
+            continue
+        try:
+            pid = int(open(os.path.join(path, OWNER)).read().strip())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _remove(path)
+        except (ValueError, OSError):
+            pass  # unreadable, or alive under another user: not ours to judge
 
 
 def _remove(directory: str) -> None:

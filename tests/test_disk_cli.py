@@ -1,0 +1,132 @@
+"""The disk tier from the command line: kill -9 and resume, bad disk paths, and
+the memory of building a large table (each in its own process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys_cli.embeddings.disk_checkpoint import materialize
+from recsys_cli.train.checkpoint import load_checkpoint
+from test_resume_exact import RECSYS, SMALL, assert_identical, records, recsys
+
+DISK = ["+placement=disk", "placement.host_cache_rows=50", "placement.cache_ratio=0.2", "trainer.batch_size=64",
+        "optimizer=adagrad", "+precision=int8", "trainer.progress=false", "trainer.checkpoint_every=30",
+        "trainer.log_every=10", "trainer.eval_every=60"]
+
+
+def final_state(run: Path, steps: int) -> dict:
+    """The final checkpoint with disk tables read whole (file names differ between runs, rows must not)."""
+    state = load_checkpoint(run / "checkpoints" / f"step-{steps:08d}.pt")
+    state.pop("config")
+    state["metrics"] = [{k: v for k, v in m.items() if k not in ("samples_per_second", "phase_seconds")}
+                        if isinstance(m, dict) else m for m in map(json.loads, state["metrics"])]
+    state["tables"] = {name: materialize(t) for name, t in state["tables"].items()}
+    return state
+
+
+def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path):
+    steps = 90
+    args = [*SMALL, *DISK, f"trainer.max_steps={steps}", f"placement.disk_path={tmp_path / 'live'}"]
+    work = tmp_path / "work"
+    work.mkdir()
+    recsys(args, work, "a")
+    proc = recsys(args, work, "killed", wait=False)
+    latest = work / "killed" / "checkpoints" / "latest.json"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert killed_at < steps, "the run finished before it could be killed"
+    recsys([*args, "trainer.resume=true", "trainer.checkpoint_dir=killed/checkpoints"], work, "resumed")
+    assert_identical(final_state(work / "a", steps), final_state(work / "killed", steps))
+    assert records(work / "resumed") == records(work / "a")
+    summary = json.loads((work / "a" / "summary.json").read_text())
+    assert summary["cache"]["disk_bytes_read_per_step"] > 0 and summary["embedding_bytes"]["disk"] > 0
+    # every run removes its live tables at exit; the killed one's went when the resumed run started
+    assert not [p for p in (tmp_path / "live").iterdir() if p.name.startswith("recsys-disk-")]
+
+
+def test_an_unwritable_disk_path_is_one_line_exit_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([RECSYS, "train", *SMALL, *DISK, "trainer.max_steps=2",
+                             f"placement.disk_path={blocker / 'tables'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = result.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert str(blocker / "tables") in err and "placement.disk_path" in err
+
+
+FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys
+    sys.path.insert(0, {tests!r})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: the disk is "full" past 4 KiB
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 12, 1 << 12))
+    from embedding_harness import build
+    from recsys_cli.errors import UserError
+    try:
+        build({{"kind": "disk", "cache_rows": 90, "disk_path": {path!r}}}, optimizer="adagrad")
+    except UserError as e:
+        print(e)
+        sys.exit(2)
+""")
+
+
+def test_a_full_disk_is_a_clear_error(tmp_path, monkeypatch):
+    # The disk's free space is checked first...
+    import shutil
+
+    from embedding_harness import build
+    from recsys_cli.errors import UserError
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(UserError, match=r"need [\d,]+ bytes but the disk has 1,000 free"):
+        build({"kind": "disk", "cache_rows": 90, "disk_path": str(tmp_path / "t")})
+    monkeypatch.undo()
+    assert not list((tmp_path / "t").iterdir())  # nothing left behind
+    # ...and a write that fails for lack of space (here: a file-size limit) says so.
+    script = FULL_DISK.format(tests=str(Path(__file__).parent), path=str(tmp_path / "t"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "no space left" in result.stdout and str(tmp_path / "t") in result.stdout, result.stdout
+    assert not list((tmp_path / "t").iterdir())
+
+
+BUILD = textwrap.dedent("""
+    import resource, sys, torch
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.tables import TableSpec
+    spec = TableSpec("big", {rows}, {dim})
+    torch.empty(1)  # torch's own start-up memory before the baseline
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    store = DiskRowStore([spec], [0], {precision!r}, "stochastic", 0, 1, 0.0, {path!r}, host_cache_rows=1000)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(before, after, store.num_rows * store.record_bytes)
+""")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_building_a_large_disk_table_needs_memory_for_one_chunk(tmp_path, precision):
+    """A 2M x 32 table (264 MB in fp32 with Adagrad state) is built straight
+    into its file: the process's peak RSS grows by far less than the table."""
+    script = BUILD.format(rows=2_000_000, dim=32, precision=precision, path=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after, table = map(int, result.stdout.split())
+    assert table > 60 << 20
+    assert after - before < 48 << 20, f"peak RSS grew by {after - before:,} bytes building a {table:,}-byte table"

@@ -15,7 +15,7 @@ from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.planner import (
-    Plan,
+    PlacementPlan,
     device_row_bytes,
     measure_access,
     measure_skew,
@@ -270,4 +270,4 @@ def test_expected_bytes_match_what_the_groups_allocate(precision, optimizer, pol
     )
     memory = embeddings.memory()
     assert {"device": memory["device"], "host": memory["host"]} == plan.expected_bytes
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, PlacementPlan)

@@ -67,8 +67,8 @@ def build_embeddings(
     """One table per feature, named after it, grouped by (placement, precision).
 
     placements/precisions: per table, overriding the config (the planner's
-    choice); cache_rows: slots of the lookahead/cache group, overriding
-    placement.cache_rows."""
+    choice); cache_rows: slots of the lookahead/cache group (or per
+    placement kind, {"lookahead": n, "disk": m}), overriding placement.cache_rows."""
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
     placements = placements or table_placements(tables, placement)
     precisions = precisions or {t.name: precision.kind for t in tables}
@@ -78,14 +78,15 @@ def build_embeddings(
     built = []
     for (kind, table_precision), specs in groups.items():
         table_rows = [(features.index(t.name), t.num_rows) for t in specs]  # rounding keys: the table, not its group
+        rows = cache_rows.get(canonical(kind)) if isinstance(cache_rows, dict) else cache_rows
         if kind == "disk":  # built straight into its file, never whole in memory
             group = make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device,
-                                    seed, cache_rows)
+                                    seed, rows)
             built.append(([t.name for t in specs], group))
             continue
         weights = torch.cat([init_table(t, seed) for t in specs])
         group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
-                           seed, cache_rows, table_rows)
+                           seed, rows, table_rows)
         built.append(([t.name for t in specs], group))
     return EmbeddingBagCollection(features, built, dim)
 
@@ -147,9 +148,10 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
 
 
 def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
-              sample_batches) -> "Plan":
+              sample_batches) -> "PlacementPlan":
     """placement=auto: measure the access skew of a sample of training
-    batches and let the planner place every table within the device budget."""
+    batches and let the planner place every table within the device budget
+    (and, with placement.host_memory_budget, the host budget: the rest on disk)."""
     from recsys_cli.embeddings.planner import measure_access, parse_bytes, plan_placement
 
     if not placement.device_memory_budget:
@@ -161,4 +163,7 @@ def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, 
         tables, profile.hot_rows(), budget, precision=precision.kind,
         optimizer_state_per_row=1 if optimizer.has_state else 0,
         batch_unique_rows=profile.batch_unique_rows, reads=profile.reads, policy=placement.policy,
+        host_budget_bytes=(parse_bytes(placement.host_memory_budget, "placement.host_memory_budget")
+                           if placement.host_memory_budget else None),
+        host_cache_ratio=placement.host_cache_ratio,
     )

@@ -10,7 +10,9 @@ Pure functions; placement.py and the trainer wire them in.
   plan_placement   per table, `device` (the whole fp32 table on the device) or
                    `lookahead` (the table in host memory, in the run's
                    precision, behind an fp32 device cache of `cache_rows`
-                   slots), never using more device bytes than the budget.
+                   slots), never using more device bytes than the budget;
+                   with a host budget, `disk` for the largest, coldest
+                   lookahead tables until the host bytes fit it.
 
 The byte counts follow what the groups really allocate (see
 TableGroup.memory and CachedGroup.memory): a device table is rows x (dim +
@@ -35,6 +37,13 @@ How plan_placement decides (Acun et al.: placement decides throughput):
      their hot set; the cold rest of a large table comes last.
   4. A cache that holds its whole table becomes a device table (the same
      device bytes, no host copy, no cache traffic).
+  5. With a host budget (placement.host_memory_budget), host tables move to
+     disk (disk_store.py: the rows in a file, a host cache of
+     host_cache_ratio of them, the same device cache) while the host bytes
+     exceed it, coldest per byte first (fewest sampled reads per host byte,
+     then the largest): a cold large table saves the most host memory for
+     the least disk traffic. If every host table on disk still does not fit,
+     the budget is too small and the error names the numbers.
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 # free_slots (int64).
 INDEX_BYTES_PER_ROW = 4
 INDEX_BYTES_PER_SLOT = 8 + 4 + 1 + 8 + 8
+# Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
+HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
 
 
 # --- sizes ------------------------------------------------------------------------
@@ -208,24 +219,36 @@ def measure_skew(
 
 # --- the plan ------------------------------------------------------------------------
 @dataclass
-class Plan:
-    placements: dict[str, str]  # table -> "device" | "lookahead"
-    cache_rows: dict[str, int]  # lookahead tables -> cache slots
+class PlacementPlan:
+    """Where every table goes (not to be confused with plan.LookupPlan, a batch's lookups)."""
+
+    placements: dict[str, str]  # table -> "device" | "lookahead" | "disk"
+    cache_rows: dict[str, int]  # lookahead and disk tables -> cache slots
     expected_bytes: dict[str, int]  # {"device": ..., "host": ...}
     reasons: dict[str, str]  # table -> one sentence
     budget_bytes: int = 0
     precision: str = "fp32"  # of the host tables; device tables are fp32
     table_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # table -> {"device", "host"}
     num_rows: dict[str, int] = field(default_factory=dict)
+    host_budget_bytes: int | None = None
+    disk_bytes: int = 0  # bytes of the disk tables' files
 
     @property
     def total_cache_rows(self) -> int:
-        """Slots of one fused lookahead group holding every lookahead table."""
+        """Slots of the caches of every lookahead and disk table."""
         return sum(self.cache_rows.values())
 
     @property
     def lookahead_tables(self) -> list[str]:
         return [t for t, p in self.placements.items() if p == "lookahead"]
+
+    @property
+    def disk_tables(self) -> list[str]:
+        return [t for t, p in self.placements.items() if p == "disk"]
+
+    def cache_rows_of(self, kind: str) -> int:
+        """Slots of the fused cache of the tables placed `kind` (lookahead or disk)."""
+        return sum(n for t, n in self.cache_rows.items() if self.placements[t] == kind)
 
     @property
     def device_tables(self) -> list[str]:
@@ -254,19 +277,34 @@ class Plan:
             )
         table.caption = (
             f"device {format_bytes(self.expected_bytes['device'])}, host {format_bytes(self.expected_bytes['host'])}; "
-            f"{len(self.lookahead_tables)} table(s) behind one lookahead cache of {self.total_cache_rows:,} rows"
+            f"{len(self.lookahead_tables)} table(s) behind one lookahead cache of {self.cache_rows_of('lookahead'):,} rows"
         )
+        if self.disk_tables:
+            table.caption += (f"; {len(self.disk_tables)} table(s) on disk ({format_bytes(self.disk_bytes)}) behind "
+                              f"one of {self.cache_rows_of('disk'):,} rows, within the "
+                              f"{format_bytes(self.host_budget_bytes)} host budget")
         return table
 
 
-def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state: int, policy: str) -> dict[str, int]:
+def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state: int, policy: str,
+                 host_cache_ratio: float = 0.05) -> dict[str, int]:
     if placement == "device":
         return {"device": t.num_rows * device_row_bytes(t.dim, state), "host": 0}
     index = t.num_rows * INDEX_BYTES_PER_ROW + cache * INDEX_BYTES_PER_SLOT
-    return {
-        "device": cache * device_row_bytes(t.dim, state),
-        "host": t.num_rows * host_row_bytes(t.dim, precision, state) + index,
-    }
+    row = host_row_bytes(t.dim, precision, state)
+    if placement == "disk":  # rows in a file; host memory: the host cache, its index, the device cache's index
+        host_rows = int(round(t.num_rows * host_cache_ratio))
+        return {"device": cache * device_row_bytes(t.dim, state),
+                "host": host_rows * (row + HOST_CACHE_BYTES_PER_SLOT) + slot_index_bytes(host_rows) + index,
+                "disk": t.num_rows * row}
+    return {"device": cache * device_row_bytes(t.dim, state), "host": t.num_rows * row + index}
+
+
+def slot_index_bytes(capacity: int) -> int:
+    """Bytes of a SlotIndex of `capacity` keys (slot_index.py: int64 keys and int32 values per bucket)."""
+    from recsys_cli.embeddings.slot_index import _buckets_for
+
+    return _buckets_for(max(capacity, 1)) * (8 + 4)
 
 
 def plan_placement(
@@ -279,7 +317,9 @@ def plan_placement(
     target_hit_rate: float = 0.9,
     reads: dict[str, int] | None = None,
     policy: str = "lru",
-) -> Plan:
+    host_budget_bytes: int | None = None,
+    host_cache_ratio: float = 0.05,
+) -> PlacementPlan:
     """Choose `device` or `lookahead` (with a cache size) for every table so the
     embeddings use at most `budget_bytes` of device memory; see the module
     docstring for the rules.
@@ -386,7 +426,11 @@ def plan_placement(
                 batch = f"; one batch needs {minimum[n]:,}" if minimum[n] > 1 else ""
                 reasons[n] = (f"{head}, limited by the budget ({hot[n]:,} rows would cover {pct} of "
                               f"accesses{batch})")
-    table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy)
+    if host_budget_bytes is not None:
+        _spill_to_disk(tables, placements, cache, reasons, reads, precision, state, policy, host_budget_bytes,
+                       host_cache_ratio)
+    table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy,
+                                        host_cache_ratio)
                    for t in tables}
     expected = {
         "device": sum(b["device"] for b in table_bytes.values()),
@@ -394,8 +438,38 @@ def plan_placement(
     }
     if expected["device"] > budget_bytes:  # a bug, never the user's doing
         raise AssertionError(f"plan uses {expected['device']} device bytes of a {budget_bytes} budget")
-    return Plan(
+    return PlacementPlan(
         placements=placements, cache_rows=cache, expected_bytes=expected, reasons=reasons,
         budget_bytes=budget_bytes, precision=precision, table_bytes=table_bytes,
-        num_rows={t.name: t.num_rows for t in tables},
+        num_rows={t.name: t.num_rows for t in tables}, host_budget_bytes=host_budget_bytes,
+        disk_bytes=sum(b.get("disk", 0) for b in table_bytes.values()),
     )
+
+
+def _spill_to_disk(tables, placements, cache, reasons, reads, precision, state, policy, budget, ratio) -> None:
+    """Rule 5: move lookahead tables to disk, coldest per host byte first,
+    until the host bytes fit `budget`; UserError when even all of them on disk do not."""
+    host = lambda t, p: _table_bytes(t, p, cache.get(t.name, 0), precision, state, policy, ratio)["host"]  # noqa: E731
+    total = sum(host(t, placements[t.name]) for t in tables)
+    if total <= budget:
+        return
+    def coldness(t):  # fewest reads per host byte, then the largest
+        r = 1.0 if reads is None else float(reads.get(t.name, 0))
+        return (r / max(host(t, "lookahead"), 1), -host(t, "lookahead"), t.name)
+    candidates = sorted((t for t in tables if placements[t.name] == "lookahead"), key=coldness)
+    for t in candidates:
+        if total <= budget:
+            break
+        saved = host(t, "lookahead") - host(t, "disk")
+        if saved <= 0:
+            continue
+        placements[t.name] = "disk"
+        total -= saved
+        reasons[t.name] = (f"{reasons[t.name]}; on disk: the host tables need more than the "
+                           f"{format_bytes(budget)} host budget and this is among the coldest per byte")
+    if total > budget:
+        raise UserError(
+            f"placement.host_memory_budget={format_bytes(budget)} ({budget:,} bytes) is too small: with every "
+            f"host table on disk the host still needs {format_bytes(total)} ({total:,} bytes: host caches of "
+            f"placement.host_cache_ratio={ratio:g} and cache indexes); raise the budget or lower host_cache_ratio"
+        )

@@ -208,10 +208,12 @@ class Trainer:
 
     def plan_overrides(self) -> dict:
         """build_embeddings arguments that realise the plan: device tables in
-        fp32, the others in the run's precision behind one lookahead cache."""
+        fp32, the others in the run's precision behind one lookahead cache
+        (host tables) and one more for the disk tables."""
         plan = self.plan
         precisions = {t: ("fp32" if p == "device" else self.cfg.precision.kind) for t, p in plan.placements.items()}
-        return {"placements": plan.placements, "precisions": precisions, "cache_rows": plan.total_cache_rows or None}
+        cache_rows = {kind: plan.cache_rows_of(kind) or None for kind in ("lookahead", "disk")}
+        return {"placements": plan.placements, "precisions": precisions, "cache_rows": cache_rows}
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:

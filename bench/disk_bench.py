@@ -1,0 +1,188 @@
+"""Disk tier benchmark (issue 17): `disk` against `host` placement.
+
+    .venv/bin/python -m bench.disk_bench [--rows 200000] [--scale 1.0] [--steps 200] [--record]
+    .venv/bin/python -m bench.disk_bench --large [--large-scale 12] [--large-steps 2000] [--record]
+
+1. Same model (dlrm_kaggle), same data (synthetic, Kaggle cardinalities x
+   --scale), tables that fit in memory: `+placement=disk` with a host cache of
+   5 % of the rows (behind the usual 5 % lookahead cache, window 4) against
+   `+placement=host`. Both trainers live in one process and train in
+   alternating chunks of --chunk steps, so the machine's noise hits both
+   alike; the ratio is disk's samples/s over host's. Also: disk bytes read
+   per step, read amplification, host cache hit rate, seconds the trainer
+   waited on the store.
+2. --large: tables larger than memory (Kaggle cardinalities x --large-scale
+   at dim 16 with Adagrad state; x12 is about 26 GB), `+placement=disk` under
+   placement.host_cache_ratio chosen for a host budget, fp32 and int8, each in
+   its own process (peak RSS): throughput, peak RSS, checkpoint time and size.
+   Long (tens of minutes at x12): run it with a reduced --large-scale on a
+   shared machine and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from omegaconf import OmegaConf
+
+from bench.train_bench import recsys_config
+from recsys_cli.train.trainer import Trainer
+
+
+def config(rows: int, scale: float, batch: int, steps: int, placement: dict, disk_path: str | None = None):
+    cfg = recsys_config(rows, batch, steps, placement)
+    cfg.dataset.synthetic.cardinality_scale = scale
+    cfg.trainer.eval_every = 0
+    cfg.trainer.checkpoint_every = 0
+    if disk_path:
+        cfg.placement.disk_path = disk_path
+    return cfg
+
+
+def alternate(trainers: dict[str, Trainer], steps: int, chunk: int) -> dict[str, float]:
+    """Train every trainer `steps` steps in alternating chunks; seconds each spent."""
+    streams = {name: t.epoch_batches() for name, t in trainers.items()}
+    seconds = dict.fromkeys(trainers, 0.0)
+    for name, t in trainers.items():  # warm-up: the loaders and prefetchers start, the window fills
+        for _ in range(min(10, steps // 4)):
+            t.train_step(next(streams[name]))
+            t.stream.passed(t.step)
+    done = 0
+    while done < steps:
+        n = min(chunk, steps - done)
+        for name, t in trainers.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                t.train_step(next(streams[name]))
+                t.stream.passed(t.step)
+            seconds[name] += time.perf_counter() - start
+        done += n
+    for s in streams.values():
+        s.close()
+    return seconds
+
+
+def benchmark_1(rows: int, scale: float, batch: int, steps: int, chunk: int) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="disk-bench-") as disk_path:
+        warm = 10
+        total = steps + min(warm, steps // 4)
+        host = Trainer(config(rows, scale, batch, total, {"kind": "host"}))
+        disk = Trainer(config(rows, scale, batch, total, {"kind": "disk", "cache_ratio": 0.05, "window": 4,
+                                                          "host_cache_ratio": 0.05}, disk_path))
+        group = next(g for g in disk.embeddings.groups if g.kind == "lookahead")
+        before = dict(group.stats())
+        seconds = alternate({"host": host, "disk": disk}, steps, chunk)
+        after = group.stats()
+    delta = {k: after[k] - before.get(k, 0) for k in ("disk_bytes_read", "disk_bytes_written", "disk_bytes_needed",
+                                                      "host_cache_hits", "host_cache_misses", "disk_wait_seconds",
+                                                      "disk_io_seconds")}
+    host_rate, disk_rate = steps * batch / seconds["host"], steps * batch / seconds["disk"]
+    table_mib = host.embeddings.memory()["table"] / 2**20
+    lookups = delta["host_cache_hits"] + delta["host_cache_misses"]
+    row = {
+        "scale": scale, "table MiB": table_mib, "batch": batch, "steps": steps,
+        "host samples/s": host_rate, "disk samples/s": disk_rate, "disk / host": disk_rate / host_rate,
+        "disk MiB read/step": delta["disk_bytes_read"] / steps / 2**20,
+        "disk MiB written/step": delta["disk_bytes_written"] / steps / 2**20,
+        "read amplification": delta["disk_bytes_read"] / max(delta["disk_bytes_needed"], 1),
+        "host cache hit rate": delta["host_cache_hits"] / max(lookups, 1),
+        "disk I/O ms/step (prefetch thread)": 1000 * delta["disk_io_seconds"] / steps,
+        "trainer waited ms/step": 1000 * delta["disk_wait_seconds"] / steps,
+        "load avg": os.getloadavg()[0],
+    }
+    print(row, flush=True)
+    return [row]
+
+
+LARGE_CHILD = """
+import json, resource, sys, time
+from bench.disk_bench import config
+from recsys_cli.train.trainer import Trainer
+from recsys_cli.train import checkpoint as ckpt
+from pathlib import Path
+rows, scale, batch, steps, precision, ratio, disk_path, ck = sys.argv[1:9]
+cfg = config(int(rows), float(scale), int(batch), int(steps),
+             {"kind": "disk", "cache_ratio": 0.01, "window": 8, "host_cache_ratio": float(ratio)}, disk_path)
+cfg.model.embedding_dim = 16
+cfg.optimizer.name = "adagrad"
+cfg.precision.kind = precision
+start = time.perf_counter()
+t = Trainer(cfg)
+build = time.perf_counter() - start
+t.checkpoint_dir = Path(ck)
+summary = t.fit()  # ends with a final checkpoint
+s0 = time.perf_counter(); t.save(); second = time.perf_counter() - s0  # a checkpoint right after one: the delta floor
+files = sorted(Path(ck).rglob("*"))
+print(json.dumps({"build s": build, "samples/s": summary["samples_per_second"],
+                  "peak RSS MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "disk GiB": summary["embedding_bytes"]["disk"] / 2**30,
+                  "host MiB": summary["embedding_bytes"]["host"] / 2**20,
+                  "checkpoint MiB": sum(f.stat().st_size for f in files if f.is_file()) / 2**20,
+                  "cache": summary["cache"]}))
+"""
+
+
+def benchmark_2(rows: int, scale: float, batch: int, steps: int, ratio: float, precisions: list[str]) -> list[dict]:
+    out = []
+    for precision in precisions:
+        with tempfile.TemporaryDirectory(prefix="disk-bench-large-") as tmp:
+            start = time.perf_counter()
+            result = subprocess.run(
+                [sys.executable, "-c", LARGE_CHILD, str(rows), str(scale), str(batch), str(steps), precision,
+                 str(ratio), tmp, os.path.join(tmp, "ck")], capture_output=True, text=True)
+            if result.returncode:
+                raise SystemExit(result.stderr[-3000:])
+            r = json.loads(result.stdout.strip().splitlines()[-1])
+            cache = r.pop("cache")
+            row = {"scale": scale, "precision": precision, "steps": steps, **r,
+                   "disk MiB read/step": cache["disk_bytes_read_per_step"] / 2**20,
+                   "trainer waited ms/step": 1000 * cache["disk_wait_seconds_per_step"],
+                   "wall s": time.perf_counter() - start, "load avg": os.getloadavg()[0]}
+            print(row, flush=True)
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--chunk", type=int, default=20)
+    parser.add_argument("--large", action="store_true", help="benchmark 2: tables larger than memory")
+    parser.add_argument("--large-scale", type=float, default=12.0)
+    parser.add_argument("--large-steps", type=int, default=2000)
+    parser.add_argument("--large-host-cache-ratio", type=float, default=0.05)
+    parser.add_argument("--record", action="store_true")
+    args = parser.parse_args()
+    if args.large:
+        rows = benchmark_2(args.rows, args.large_scale, args.batch, args.large_steps, args.large_host_cache_ratio,
+                           ["fp32", "int8"])
+        cmd = (f"python -m bench.disk_bench --large --rows {args.rows} --large-scale {args.large_scale} "
+               f"--large-steps {args.large_steps} --batch {args.batch}")
+        section = "Disk tier: tables beyond memory (disk placement, dim 16, Adagrad)"
+        note = ("Goal (issue 17): Kaggle cardinalities x12 (about 26 GB) completes under a 4 GB host budget at "
+                ">= 0.5x benchmark 1's host run. Peak RSS per process. Machine memory and disk: see the rows.")
+    else:
+        rows = benchmark_1(args.rows, args.scale, args.batch, args.steps, args.chunk)
+        cmd = (f"python -m bench.disk_bench --rows {args.rows} --scale {args.scale} --steps {args.steps} "
+               f"--batch {args.batch} --chunk {args.chunk}")
+        section = "Disk tier: disk (5 % host cache) vs host placement (dlrm_kaggle)"
+        note = ("Goal (issue 17): disk >= 0.7x host with a window that covers the I/O. One process, the two "
+                "trainers alternating in chunks; the disk trainer's prefetch thread may run up to its window "
+                "ahead while the host trainer's chunk runs.")
+    if args.record:
+        from bench.record import record
+
+        record(section, list(rows[0]), rows, cmd, note=note)
+
+
+if __name__ == "__main__":
+    main()

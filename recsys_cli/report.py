@@ -276,6 +276,13 @@ def report_rows(runs: list[Run]) -> list[dict]:
             "dedup_ratio": run.dedup_ratio,
             "dedup_lookups_saved": run.lookups_saved_by_dedup,
             "cache_fill_ms_per_step": run.cache_fill_ms(),
+            # the disk tier (placement disk): empty for runs without one
+            "disk_bytes": _num(memory.get("disk")),
+            "disk_bytes_read_per_step": _num(run.cache.get("disk_bytes_read_per_step")),
+            "disk_bytes_written_per_step": _num(run.cache.get("disk_bytes_written_per_step")),
+            "disk_read_amplification": _num(run.cache.get("disk_read_amplification")),
+            "host_cache_hit_rate": _num(run.cache.get("host_cache_hit_rate")),
+            "disk_wait_seconds_per_step": _num(run.cache.get("disk_wait_seconds_per_step")),
         }
         for phase in phases:
             row[f"seconds_{phase}"] = run.phase_seconds.get(phase)

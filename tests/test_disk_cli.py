@@ -54,6 +54,13 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path):
     assert records(work / "resumed") == records(work / "a")
     summary = json.loads((work / "a" / "summary.json").read_text())
     assert summary["cache"]["disk_bytes_read_per_step"] > 0 and summary["embedding_bytes"]["disk"] > 0
+    # recsys report's rows carry the disk statistics
+    from recsys_cli.report import load_run, report_rows
+
+    row = report_rows([load_run(work / "a" / "summary.json", work)])[0]
+    assert row["disk_bytes"] == summary["embedding_bytes"]["disk"]
+    assert row["disk_bytes_read_per_step"] == summary["cache"]["disk_bytes_read_per_step"] > 0
+    assert 0 <= row["host_cache_hit_rate"] <= 1 and row["disk_read_amplification"] >= 1
     # every run removes its live tables at exit; the killed one's went when the resumed run started
     assert not [p for p in (tmp_path / "live").iterdir() if p.name.startswith("recsys-disk-")]
 

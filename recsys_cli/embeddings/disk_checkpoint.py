@@ -92,7 +92,7 @@ class DiskTableSnapshot:
         folder = Path(directory) / "disk" / _safe(spec.name)
         folder.mkdir(parents=True, exist_ok=True)
         tag = f"{step:08d}-{uuid.uuid4().hex[:8]}"
-        with store._locked():
+        with store.lock:  # not the trainer's wait on the disk (disk_wait_seconds): the checkpoint's own time
             chain = store.chain[self.table]
             changed = self._changed()
             if chain is None:  # the table's base is its initial rows

@@ -442,13 +442,14 @@ class DiskRowStore:
     def load_table(self, spec: TableSpec, lo: int, hi: int, saved) -> None:
         from recsys_cli.embeddings.disk_checkpoint import load_disk_table
 
-        with self._locked():
+        with self.lock:  # start-up, not a wait of the step
             load_disk_table(self, self.tables.index(spec), saved)
 
 
 class _TimedLock:
-    """The store's lock; the time the trainer's (main) thread spends in the
-    store, waiting for the lock or for its own I/O, is disk_wait_seconds."""
+    """The store's lock for reads and writes; the time the trainer's (main)
+    thread spends in them, waiting for the lock or for its own I/O, is
+    disk_wait_seconds (checkpoints and loads take the lock untimed)."""
 
     __slots__ = ("store", "start")
 

@@ -124,16 +124,18 @@ BUILD = textwrap.dedent("""
     store = DiskRowStore([spec], [0], {precision!r}, "stochastic", 0, 1, 0.0, {path!r}, host_cache_rows=1000)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(before, after, store.num_rows * store.record_bytes)
+    print(f"peak RSS grew by {{after - before:,}} bytes for a {{store.num_rows * store.record_bytes:,}}-byte table",
+          file=sys.stderr)
 """)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_building_a_large_disk_table_needs_memory_for_one_chunk(tmp_path, precision):
-    """A 2M x 32 table (264 MB in fp32 with Adagrad state) is built straight
-    into its file: the process's peak RSS grows by far less than the table."""
-    script = BUILD.format(rows=2_000_000, dim=32, precision=precision, path=str(tmp_path))
+def test_building_a_large_disk_table_needs_memory_for_one_chunk(tmp_path):
+    """A 1M x 32 table (132 MB in fp32 with Adagrad state) is built straight
+    into its file: the process's peak RSS grows by far less than the table.
+    (Low precision builds through the same chunks; its bits are tested in test_disk.py.)"""
+    script = BUILD.format(rows=1_000_000, dim=32, precision="fp32", path=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     before, after, table = map(int, result.stdout.split())
-    assert table > 60 << 20
-    assert after - before < 48 << 20, f"peak RSS grew by {after - before:,} bytes building a {table:,}-byte table"
+    assert table > 120 << 20
+    assert after - before < 32 << 20, f"peak RSS grew by {after - before:,} bytes building a {table:,}-byte table"

@@ -65,10 +65,8 @@ import dataclasses
 import glob as globmod
 import math
 import os
-import queue
 import re
 import shutil
-import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -83,6 +81,7 @@ import pyarrow.parquet as pq
 
 from data_tools import shards as sh
 from data_tools import vocab as vocab_io
+from data_tools.background import BackgroundIterator
 from data_tools.manifest import (
     CRITEO_DENSE,
     CRITEO_SPARSE,
@@ -591,53 +590,6 @@ def _iter_blocks(paths: Sequence[Path], block_size: int) -> Iterator[_Block]:
         done += path.stat().st_size
 
 
-class _Prefetch:
-    """Run an iterator on a thread, `depth` items ahead; re-raise its errors."""
-
-    _END = object()
-
-    def __init__(self, it: Iterator, depth: int = 2):
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(it,), daemon=True)
-        self._thread.start()
-
-    def _run(self, it: Iterator) -> None:
-        try:
-            for item in it:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    close = getattr(it, "close", None)
-                    if close is not None:
-                        close()  # lets a nested generator stop its own threads
-                    return
-            self._q.put((self._END, None))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            self._q.put((self._END, e))
-
-    def __iter__(self):
-        try:
-            while True:
-                item, err = self._q.get()
-                if item is self._END:
-                    if err is not None:
-                        raise err
-                    return
-                yield item
-        finally:
-            self._stop.set()
-            while self._thread.is_alive():
-                try:
-                    self._q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-
-
 # --------------------------------------------------------------------------- the passes
 
 
@@ -671,22 +623,23 @@ class _Reader:
 
     def chunks(self, want_dense: bool, known_bad: dict | None = None) -> Iterator[_Chunk]:
         # reading (and gunzipping) runs on its own thread, ahead of parsing
-        for block in _Prefetch(_iter_blocks(self.paths, self.cfg.block_size), depth=2):
-            # Pass 2: drop the lines pass 1 found bad (by line number in the file).
-            file_bad = known_bad.get(block.file_index) if known_bad else None
-            if file_bad:
-                lines = _split_lines(bytes(block.data))
-                lo = bisect.bisect_left(file_bad, block.first_line)
-                hi = bisect.bisect_left(file_bad, block.first_line + len(lines))
-                if hi > lo:
-                    bad = [ln - block.first_line for ln in file_bad[lo:hi]]
-                    kept = _join_lines(lines, set(bad))
-                    yield _Chunk(self._parse_clean(kept, want_dense), len(bad), bad, block)
-                    continue
-            try:
-                yield _Chunk(self.parser.parse(block.data, want_dense), 0, [], block)
-            except _BadBlock:
-                yield self._slow(block, want_dense)
+        with BackgroundIterator(_iter_blocks(self.paths, self.cfg.block_size), depth=2, name="criteo-read") as blocks:
+            for block in blocks:
+                # Pass 2: drop the lines pass 1 found bad (by line number in the file).
+                file_bad = known_bad.get(block.file_index) if known_bad else None
+                if file_bad:
+                    lines = _split_lines(bytes(block.data))
+                    lo = bisect.bisect_left(file_bad, block.first_line)
+                    hi = bisect.bisect_left(file_bad, block.first_line + len(lines))
+                    if hi > lo:
+                        bad = [ln - block.first_line for ln in file_bad[lo:hi]]
+                        kept = _join_lines(lines, set(bad))
+                        yield _Chunk(self._parse_clean(kept, want_dense), len(bad), bad, block)
+                        continue
+                try:
+                    yield _Chunk(self.parser.parse(block.data, want_dense), 0, [], block)
+                except _BadBlock:
+                    yield self._slow(block, want_dense)
 
     def _parse_clean(self, data: bytes, want_dense: bool) -> _Decoded:
         try:
@@ -777,8 +730,9 @@ def decoded_blocks(paths: Sequence[Path], *, labels: bool = True, block_size: in
     cfg = CriteoConfig(input=[str(p) for p in paths], labels=labels, block_size=block_size)
     reader = _Reader(cfg, paths)
     reader.skip_hint = ""  # every row must be scored: no skipping
-    for ch in _Prefetch(reader.chunks(want_dense=True)):
-        yield ch.decoded, ch.block.bytes_read
+    with BackgroundIterator(reader.chunks(want_dense=True), name="criteo-parse") as chunks:
+        for ch in chunks:
+            yield ch.decoded, ch.block.bytes_read
 
 
 def count_fields(path: Path) -> int:
@@ -913,26 +867,27 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
     upd = progress.task("pass 1/2 count")
     spill = None
     try:
-        for ch in _Prefetch(reader.chunks(want_dense=cfg.spill)):
-            d = ch.decoded
-            if cfg.spill and spill is None and d.rows:
-                _check_spill_space(tmp, d.rows / max(ch.block.bytes_read, 1) * progress.total)
-            if cfg.spill:
-                # 0 = missing, i + 1 = the value first seen i-th
-                cols = [_scatter(d.present[f], maps[f].count(d.values[f]) + 1) for f in range(NUM_SPARSE)]
-                if d.rows:
-                    batch = _spill_batch(d, cols, label_type)
-                    if spill is None:
-                        spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
-                    spill.write_batch(batch)
-            else:
-                for f in range(NUM_SPARSE):
-                    maps[f].count(d.values[f])
-            total += d.rows
-            skipped += ch.skipped
-            if ch.bad_lines:
-                known_bad.setdefault(ch.block.file_index, []).extend(ch.block.first_line + i for i in ch.bad_lines)
-            upd(total, ch.block.bytes_read)
+        with BackgroundIterator(reader.chunks(want_dense=cfg.spill), name="criteo-parse") as chunks:
+            for ch in chunks:
+                d = ch.decoded
+                if cfg.spill and spill is None and d.rows:
+                    _check_spill_space(tmp, d.rows / max(ch.block.bytes_read, 1) * progress.total)
+                if cfg.spill:
+                    # 0 = missing, i + 1 = the value first seen i-th
+                    cols = [_scatter(d.present[f], maps[f].count(d.values[f]) + 1) for f in range(NUM_SPARSE)]
+                    if d.rows:
+                        batch = _spill_batch(d, cols, label_type)
+                        if spill is None:
+                            spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
+                        spill.write_batch(batch)
+                else:
+                    for f in range(NUM_SPARSE):
+                        maps[f].count(d.values[f])
+                total += d.rows
+                skipped += ch.skipped
+                if ch.bad_lines:
+                    known_bad.setdefault(ch.block.file_index, []).extend(ch.block.first_line + i for i in ch.bad_lines)
+                upd(total, ch.block.bytes_read)
     finally:
         if spill is not None:
             spill.close()
@@ -986,12 +941,13 @@ def _vocabulary_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, pro
                     upd(written, int(progress.total * written / total))
             spill_path.unlink()
         else:
-            for ch in _Prefetch(reader.chunks(want_dense=True, known_bad=known_bad)):
-                d = ch.decoded
-                ids = [_scatter(d.present[f], lookups[f].get(d.values[f])) for f in range(NUM_SPARSE)]
-                writer.write(_ids_table(schema, d, ids, label_type))
-                written += d.rows
-                upd(written, ch.block.bytes_read)
+            with BackgroundIterator(reader.chunks(want_dense=True, known_bad=known_bad), name="criteo-parse") as chunks:
+                for ch in chunks:
+                    d = ch.decoded
+                    ids = [_scatter(d.present[f], lookups[f].get(d.values[f])) for f in range(NUM_SPARSE)]
+                    writer.write(_ids_table(schema, d, ids, label_type))
+                    written += d.rows
+                    upd(written, ch.block.bytes_read)
         splits = writer.close()
     except BaseException:
         writer.abort()
@@ -1116,17 +1072,18 @@ def _mapped_mode(cfg: CriteoConfig, reader: "_Reader", paths, tmp: Path, progres
     total = skipped = 0
     unseen = np.zeros(NUM_SPARSE, dtype=np.int64)
     try:
-        for ch in _Prefetch(reader.chunks(want_dense=True)):
-            d = ch.decoded
-            ids = []
-            for f in range(NUM_SPARSE):
-                mapped = vocabulary.lookup(f, d.values[f])
-                unseen[f] += len(mapped) - np.count_nonzero(mapped)
-                ids.append(_scatter(d.present[f], mapped))
-            staging.write(_ids_table(schema, d, ids, label_type))
-            total += d.rows
-            skipped += ch.skipped
-            upd(total, ch.block.bytes_read)
+        with BackgroundIterator(reader.chunks(want_dense=True), name="criteo-parse") as chunks:
+            for ch in chunks:
+                d = ch.decoded
+                ids = []
+                for f in range(NUM_SPARSE):
+                    mapped = vocabulary.lookup(f, d.values[f])
+                    unseen[f] += len(mapped) - np.count_nonzero(mapped)
+                    ids.append(_scatter(d.present[f], mapped))
+                staging.write(_ids_table(schema, d, ids, label_type))
+                total += d.rows
+                skipped += ch.skipped
+                upd(total, ch.block.bytes_read)
         staged = staging.close()
     except BaseException:
         staging.abort()

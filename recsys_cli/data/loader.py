@@ -32,8 +32,6 @@ once, and batches are sliced out of it.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from data_tools.background import BackgroundIterator
 from data_tools.manifest import (
     DENSE_COLUMN,
     LABEL_COLUMN,
@@ -58,8 +57,6 @@ from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt, repeats_p
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
 __all__ = ["ShardLoader"]
-
-_POLL_S = 0.05
 
 # With the OpenMP backend the intra-op thread count is per calling thread: the
 # loader thread runs its torch ops (dedup, transforms) single-threaded, so it
@@ -498,59 +495,40 @@ class ShardLoader:
             session=session,
         )
 
-    def _produce(self, epoch: int, start: int, out: queue.Queue, stop: threading.Event) -> None:
-        """Background thread: batches start.. of one epoch into ``out``."""
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=_POLL_S)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        try:
-            if _PER_THREAD_TORCH_THREADS:
-                torch.set_num_threads(1)
-            files: dict[int, pq.ParquetFile] = {}
-            order = self._row_group_order(epoch)
-            rows = self._rg_rows[order]
-            ends = np.cumsum(rows)
-            starts = ends - rows
-            G = len(order)
-            cache: dict[int, _Chunk] = {}
-            p = 0  # first row group that may still hold rows we need
-            B, N = self.batch_size, self.num_rows
-            for k in range(start, self.num_batches):
-                if stop.is_set():
-                    return
-                g0 = k * B
-                lo, hi = self._rank_slice(min(B, N - g0))
-                s, e = g0 + lo, g0 + hi
-                while p < G and ends[p] <= s:
-                    cache.pop(p, None)
-                    p += 1
-                pieces = []
-                q = p
-                while e > s and q < G and starts[q] < e:
-                    chunk = cache.get(q)
-                    if chunk is None:
-                        if stop.is_set():
-                            return
-                        chunk = cache[q] = self._decode(files, epoch, int(order[q]))
-                    pieces.append((chunk, int(max(s, starts[q]) - starts[q]), int(min(e, ends[q]) - starts[q])))
-                    q += 1
-                batch = self._assemble(pieces)
-                if self.dedup and not self._multi_keys:  # multi-hot batches come deduplicated
-                    batch.sparse = dedup_kjt(batch.sparse)
-                if self.transform is not None:
-                    batch = self.transform(batch)
-                if not put(("batch", k, batch)):
-                    return
-            put(("end",))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(("error", e))
+    def _batches(self, epoch: int, start: int) -> Iterator[tuple[int, Batch]]:
+        """(k, batch) for batches start.. of one epoch; runs on the loader thread."""
+        if _PER_THREAD_TORCH_THREADS:
+            torch.set_num_threads(1)
+        files: dict[int, pq.ParquetFile] = {}
+        order = self._row_group_order(epoch)
+        rows = self._rg_rows[order]
+        ends = np.cumsum(rows)
+        starts = ends - rows
+        G = len(order)
+        cache: dict[int, _Chunk] = {}
+        p = 0  # first row group that may still hold rows we need
+        B, N = self.batch_size, self.num_rows
+        for k in range(start, self.num_batches):
+            g0 = k * B
+            lo, hi = self._rank_slice(min(B, N - g0))
+            s, e = g0 + lo, g0 + hi
+            while p < G and ends[p] <= s:
+                cache.pop(p, None)
+                p += 1
+            pieces = []
+            q = p
+            while e > s and q < G and starts[q] < e:
+                chunk = cache.get(q)
+                if chunk is None:
+                    chunk = cache[q] = self._decode(files, epoch, int(order[q]))
+                pieces.append((chunk, int(max(s, starts[q]) - starts[q]), int(min(e, ends[q]) - starts[q])))
+                q += 1
+            batch = self._assemble(pieces)
+            if self.dedup and not self._multi_keys:  # multi-hot batches come deduplicated
+                batch.sparse = dedup_kjt(batch.sparse)
+            if self.transform is not None:
+                batch = self.transform(batch)
+            yield k, batch
 
     # -- public API -----------------------------------------------------
     def __len__(self) -> int:
@@ -616,63 +594,23 @@ class _EpochIterator:
 
     def __init__(self, loader: ShardLoader, epoch: int, start: int) -> None:
         self._loader = loader
-        self._queue: queue.Queue = queue.Queue(maxsize=loader.queue_depth)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(
-            target=loader._produce,
-            args=(epoch, start, self._queue, self._stop),
-            name=f"ShardLoader-{loader.split}-e{epoch}",
-            daemon=True,
+        self._batches = BackgroundIterator(
+            loader._batches(epoch, start), depth=loader.queue_depth, name=f"ShardLoader-{loader.split}-e{epoch}"
         )
-        self._thread.start()
 
     def __iter__(self) -> "_EpochIterator":
         return self
 
     def __next__(self) -> Batch:
-        if self._done:
-            raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self.close()
-                    raise RuntimeError("loader thread ended without a result") from None
-        kind = item[0]
-        if kind == "batch":
-            _, k, batch = item
-            self._loader._advance(k)
-            return batch
-        self.close()
-        if kind == "error":
-            raise item[1]
-        raise StopIteration
+        k, batch = next(self._batches)
+        self._loader._advance(k)
+        return batch
 
     def close(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._stop.set()
-        # Drain so a producer blocked on a full queue notices the stop at once.
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        self._batches.close()
 
     def __enter__(self) -> "_EpochIterator":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

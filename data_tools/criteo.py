@@ -91,7 +91,7 @@ from data_tools.manifest import (
     SparseFeature,
     Split,
 )
-from recsys_cli.errors import UserError
+from data_tools.errors import UserError
 
 COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
 NUM_COLUMNS = len(COLUMNS)  # 40

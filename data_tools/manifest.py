@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from recsys_cli.errors import UserError
+from data_tools.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

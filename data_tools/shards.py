@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_tools.errors import UserError
 from data_tools.manifest import (
     DENSE_COLUMN,
     LABEL_COLUMN,
@@ -43,7 +44,6 @@ from data_tools.manifest import (
     Split,
     sha256_file,
 )
-from recsys_cli.errors import UserError
 
 DEFAULT_ROW_GROUP_ROWS = 65536
 DEFAULT_SHARD_ROWS = 1 << 20

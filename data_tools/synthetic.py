@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from data_tools import shards as sh
+from data_tools.errors import UserError
 from data_tools.manifest import (
     CRITEO_DENSE,
     CRITEO_SPARSE,
@@ -57,7 +58,6 @@ from data_tools.manifest import (
     load_manifest,
 )
 from data_tools.metrics import roc_auc
-from recsys_cli.errors import UserError
 
 GENERATOR_VERSION = 2  # part of the cache key: bump when the output changes
 

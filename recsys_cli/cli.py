@@ -10,10 +10,7 @@ from __future__ import annotations
 import errno
 import sys
 
-from rich.console import Console
-from rich.markup import escape
-
-from recsys_cli.errors import UserError, write_error
+from recsys_cli.errors import UserError, fail, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
 
@@ -29,12 +26,6 @@ commands:
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
 """
-
-
-def fail(message: str, code: int = 2) -> None:
-    # soft_wrap: one line whatever the terminal width (scripts grep it)
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

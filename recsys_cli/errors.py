@@ -1,14 +1,22 @@
-"""Errors the user can fix. The CLI prints them without a traceback."""
+"""Errors the user can fix, and how the command line reports them.
 
-import errno
-import os
+UserError and write_error are data_tools.errors' (one class: data_tools raises
+it, the CLI catches it); `fail` prints one line and exits, for the CLI and the
+Hydra apps it starts.
+"""
+
+import sys
+
+from data_tools.errors import UserError, write_error
+
+__all__ = ["UserError", "fail", "write_error"]
 
 
-class UserError(Exception):
-    """Bad input, config or environment; the message says what and where."""
+def fail(message: str, code: int = 2) -> None:
+    """Print `error: message` on stderr as one line and exit with `code`."""
+    from rich.console import Console
+    from rich.markup import escape
 
-
-def write_error(path: "str | os.PathLike", e: OSError, then: str = "") -> UserError:
-    """A failed write as one line naming the file (a full disk is the usual cause)."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return UserError(f"cannot write {path}: {reason}" + (f"; {then}" if then else ""))
+    # soft_wrap: one line whatever the terminal width (scripts grep it)
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(code)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from recsys_cli.config import register_configs
-from recsys_cli.errors import UserError, write_error
+from recsys_cli.errors import UserError, fail, write_error
 from recsys_cli.train import distributed, rundir
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
@@ -27,8 +27,6 @@ _started = False  # the app ran: Hydra accepted the command line
 
 
 def train_main(cfg: DictConfig) -> float | None:
-    from recsys_cli.cli import fail
-
     global _started
     _started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)

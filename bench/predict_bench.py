@@ -108,7 +108,7 @@ def child_predict(raw: str, ckpt: str, out: str) -> dict:
 def child_parse(raw: str, ckpt: str) -> dict:
     import numpy as np
 
-    from data_tools.criteo import decoded_blocks, resolve_inputs
+    from data_tools.criteo_input import decoded_blocks, resolve_inputs
     from data_tools.vocab import load_vocabulary
 
     vocabulary = load_vocabulary(Path(ckpt).parent / "data")  # build() puts the dataset beside the checkpoints

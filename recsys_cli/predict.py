@@ -126,7 +126,7 @@ def raw_logits(loaded: LoadedModel, paths: list[Path], vocabulary, labels: bool,
                block_size: int, advance=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, labels or NaN) over raw TSV rows in input order, in batches of
     exactly batch_size rows (the last may be shorter), whatever the blocks."""
-    from data_tools.criteo import decoded_blocks
+    from data_tools.criteo_input import decoded_blocks
 
     num = len(vocabulary.features)
     pend_dense: list[np.ndarray] = []
@@ -253,7 +253,7 @@ class RowProgress:
 def predict(cfg: PredictConfig, console=None) -> dict:
     from rich.console import Console
 
-    from data_tools.criteo import count_fields, resolve_inputs
+    from data_tools.criteo_input import count_fields, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
     console = console or Console(stderr=True, highlight=False)

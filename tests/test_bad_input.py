@@ -418,7 +418,7 @@ def test_preprocess_checks_free_space_before_the_spill(tmp_path, monkeypatch):
     raw = tmp_path / "raw.tsv"
     raw.write_text(criteo_lines(300))
     real = shutil_module.disk_usage
-    monkeypatch.setattr(criteo.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda p: real(p)._replace(free=10_000))
     with pytest.raises(UserError, match=r"pass 1 spills about 0.0 GB \(300 rows x 160 bytes\) to .*ds.tmp-\d+, but "
                                         r"only 0.0 GB are free there; free space or give spill=false"):
         criteo.preprocess(criteo.CriteoConfig(input=str(raw), output=str(tmp_path / "ds"), progress=False))

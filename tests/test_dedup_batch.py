@@ -162,3 +162,44 @@ def test_loader_dedups_history_bags_of_sessions(tmp_path):
             h = d.sparse.keys.index("H1")
             shared += p.size - d.sparse.unique_counts[h]
         assert shared > 0.5 * sum(b.size for b in plain)  # sessions of ~8 share one bag
+
+
+def test_loader_dedup_equals_dedup_kjt_of_the_plain_batch(tmp_path):
+    """One dedup implementation: the loader's reader-side path (runs found per
+    row group, merged by unique_bags_of_runs) gives exactly dedup_kjt's IKJT of
+    the plain batch, one-hot and multi-hot keys, across row-group boundaries."""
+    from data_tools.synthetic import SyntheticConfig, generate
+    from recsys_cli.data.loader import ShardLoader
+
+    cfg = SyntheticConfig(rows=2000, cardinality_scale=0.0005, sessions=True, multi_hot_features=2,
+                          multi_hot_min_length=0, multi_hot_max_length=6, row_group_rows=300, seed=5)
+    generate(cfg, tmp_path / "data")
+    for shuffle, keep_sessions in ((True, True), (False, True), (True, False)):
+        kw = dict(batch_size=48, seed=2, shuffle=shuffle, keep_sessions=keep_sessions, drop_last=False)
+        plain = list(ShardLoader(tmp_path / "data", **kw))
+        dedup = list(ShardLoader(tmp_path / "data", dedup=True, **kw))
+        assert len(plain) == len(dedup)
+        for p, d in zip(plain, dedup):
+            want = dedup_kjt(p.sparse)
+            got = d.sparse
+            assert got.keys == want.keys and got.unique_counts == want.unique_counts and got.stride == want.stride
+            for field in ("values", "lengths", "inverse"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_multi_hot_key_with_one_length_in_a_batch():
+    """A multi-hot key whose bags all have one length goes the fixed-length
+    way; its bags are still numbered by first occurrence."""
+    kjt = KeyedJaggedTensor.from_lists({"h": [[5], [3], [5], [7]], "f": [[9, 1], [2, 2], [9, 1], [0, 4]]})
+    ikjt = _check(kjt)
+    assert ikjt.bags("f")[0].tolist() == [9, 1, 2, 2, 0, 4]
+    assert ikjt.inverse[1].tolist() == [0, 1, 0, 2]
+
+
+def test_bags_that_share_length_and_ends_are_still_told_apart():
+    # (length, first id, last id) is only a shortcut for "surely distinct"; equal
+    # signatures go through the verified hash
+    kjt = KeyedJaggedTensor.from_lists({"h": [[1, 5, 2], [1, 6, 2], [1, 5, 2], [7], [7, 7], [1, 6, 2]]})
+    ikjt = _check(kjt)
+    assert ikjt.unique_counts == [4]
+    assert ikjt.inverse[0].tolist() == [0, 1, 0, 2, 3, 1]

@@ -22,11 +22,16 @@ Bags of a one-hot key are sorted by id; bags of a multi-hot key are in order of
 first occurrence in the batch. An empty batch (B = 0) has U_f = 0; a key whose
 bags are all empty has one distinct bag, the empty one.
 
-``dedup_kjt`` is exact: one-hot keys and keys whose bags all have one length L
-use ``torch.unique`` on the ids (rows of L ids); other keys group bags by a
-64-bit polynomial hash and then check every sample element-wise against the
-representative of its group, falling back to an exact row-wise unique of the
-padded bags if a collision ever merged two different bags.
+``dedup_kjt`` is exact: one-hot keys use one ``torch.unique`` over all of them
+(`unique_onehot`); every other key is first cut into runs of equal adjacent
+bags (`repeats_previous`), then the runs' bags are deduplicated by
+`unique_bags_of_runs`: ``torch.unique`` on the rows when they all have one
+length, else a 64-bit polynomial hash, with every sample checked element-wise
+against the representative of its group and an exact row-wise unique of the
+padded bags if a collision ever merged two different bags. The loader's
+reader-side dedup (data/reader_dedup.py) finds the runs once per row group and
+calls the same `unique_bags_of_runs`, so its batches equal
+``dedup_kjt(plain batch)`` exactly.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
-__all__ = ["InverseKeyedJaggedTensor", "dedup_kjt"]
+__all__ = ["InverseKeyedJaggedTensor", "dedup_kjt", "repeats_previous", "unique_bags_of_runs", "unique_onehot"]
 
 # Two primes below 2**31: products of residues fit in int64 without overflow.
 _P1 = 2147483647
@@ -230,22 +235,66 @@ def repeats_previous(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return repeat
 
 
-def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct bags of one key with variable bag lengths: (inverse [B], rep [U]).
+def unique_bags_of_runs(
+    values: torch.Tensor, lengths: torch.Tensor, run_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct bags of one key, given its samples as runs: (values, lengths, inverse [B]).
 
-    ``rep[u]`` is the first sample holding bag u; bags are numbered by first occurrence.
-    Runs of equal adjacent bags are collapsed first; their first bags are then
-    deduplicated by hashing (`_unique_run_heads`).
+    Runs are candidate bags (``values``/``lengths`` of R runs; two runs may
+    hold equal bags), numbered in order of their first sample; ``run_of[b]``
+    is the run of sample b. Equal runs are merged by a 64-bit hash, verified
+    element-wise (`_unique_run_heads`); the distinct bags come out in order of
+    first occurrence. dedup_kjt finds the runs of a batch with
+    `repeats_previous`; the loader finds them once per row group
+    (data/reader_dedup.py) and passes the batch's runs here.
+    """
+    R = lengths.numel()
+    if R == 0:
+        return values.new_empty(0), lengths.new_empty(0), run_of.new_empty(0)
+    lmin, lmax = (int(x) for x in lengths.aminmax())
+    if lmax == 0:  # every bag empty: one distinct (empty) bag
+        return values.new_empty(0), lengths[:1], torch.zeros_like(run_of)
+    if lmin == lmax == 1:  # one id a bag: sorted, as the one-hot keys (unique_onehot)
+        u_values, run_inverse = torch.unique(values, sorted=True, return_inverse=True)
+        return u_values, torch.ones_like(u_values), run_inverse[run_of]
+    if lmin == lmax:  # fixed length L: distinct rows of an [R, L] matrix
+        _, run_inverse = torch.unique(values.view(R, lmin), dim=0, return_inverse=True)
+        run_inverse = _first_occurrence_order(run_inverse)
+        rep = _representatives(run_inverse)
+        return values.view(R, lmin)[rep].reshape(-1), lengths[rep], run_inverse[run_of]
+    if _surely_distinct(values, lengths):
+        return values, lengths, run_of
+    run_inverse, rep = _unique_run_heads(values, lengths)
+    u_lengths = lengths[rep]
+    u_values = _gather_bags(values, _exclusive_cumsum(lengths), rep, u_lengths)
+    return u_values, u_lengths, run_inverse[run_of]
+
+
+def _surely_distinct(values: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """True if no two bags share (length, first id, last id), hence no two are
+    equal: O(bags), where the hash is O(ids). Runs of session data (one
+    history bag a session) almost always pass."""
+    if lengths.numel() < 2 or not bool((lengths > 0).all()):
+        return lengths.numel() < 2
+    ends = torch.cumsum(lengths, 0)
+    signature = torch.stack([lengths, values[ends - lengths], values[ends - 1]], 1)
+    return torch.unique(signature, dim=0).shape[0] == lengths.numel()
+
+
+def _unique_bags(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct bags of one key with variable bag lengths: (values, lengths, inverse [B]).
+
+    Runs of equal adjacent bags are collapsed first (exact, O(ids)); their
+    first bags are then deduplicated by hashing (`unique_bags_of_runs`).
     """
     repeat = torch.from_numpy(repeats_previous(values.cpu().numpy(), lengths.cpu().numpy())).to(values.device)
     if not bool(repeat.any()):
-        return _unique_run_heads(values, lengths)
+        return unique_bags_of_runs(values, lengths, torch.arange(lengths.numel(), device=values.device))
     heads = torch.nonzero(~repeat).flatten()
     head_lengths = lengths[heads]
     head_values = _gather_bags(values, _exclusive_cumsum(lengths), heads, head_lengths)
-    head_inverse, head_rep = _unique_run_heads(head_values, head_lengths)
     run_of = torch.cumsum((~repeat).long(), 0) - 1
-    return head_inverse[run_of], heads[head_rep]
+    return unique_bags_of_runs(head_values, head_lengths, run_of)
 
 
 def _unique_run_heads(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,20 +305,29 @@ def _unique_run_heads(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torc
     n = values.numel()
     bag_of = torch.repeat_interleave(torch.arange(B, device=device), lengths, output_size=n)
     pos = torch.arange(n, device=device) - offsets[:-1][bag_of]
+    lo, hi = (int(x) for x in values.aminmax()) if n else (0, 0)
+    reduce = hi >= _P2 or lo <= -_P2  # residues needed only to keep the products below 2**63
     keys = []
     for p, g, lw in ((_P1, _G1, _L1), (_P2, _G2, _L2)):
-        terms = (torch.remainder(values, p) * _powers(p, g, int(lengths.max()), device)[pos]) % p
+        residues = torch.remainder(values, p) if reduce else values  # ids are usually below both primes
+        terms = (residues * _powers(p, g, int(lengths.max()), device)[pos]) % p
         h = torch.zeros(B, dtype=torch.int64, device=device).index_add_(0, bag_of, terms)
         keys.append((h + lengths * lw) % p)
     key = keys[0] * _P2 + keys[1]
-    _, inverse = torch.unique(key, return_inverse=True)
+    distinct, inverse = torch.unique(key, return_inverse=True)
+    if distinct.numel() == B:  # no two bags share a hash: all distinct, nothing to verify
+        every = torch.arange(B, device=device)
+        return every, every
     inverse = _first_occurrence_order(inverse)
     rep = _representatives(inverse)
-    # Verify: every sample equals the representative of its group, element-wise.
-    mine = rep[inverse]
-    ok = bool(torch.equal(lengths[mine], lengths))
+    # Verify: every bag that shares its hash equals its group's representative, element-wise.
+    in_shared = torch.bincount(inverse)[inverse] > 1
+    shared = torch.nonzero(in_shared).flatten()
+    ok = bool(torch.equal(lengths[rep[inverse[shared]]], lengths[shared]))
     if ok and n:
-        ok = bool(torch.equal(values[offsets[:-1][mine][bag_of] + pos], values))
+        elements = torch.nonzero(in_shared[bag_of]).flatten()
+        partner = offsets[:-1][rep[inverse]][bag_of[elements]] + pos[elements]
+        ok = bool(torch.equal(values[partner], values[elements]))
     if not ok:  # a hash collision merged different bags: exact path
         inverse = _first_occurrence_order(_unique_bags_exact(values, lengths))
         rep = _representatives(inverse)
@@ -295,25 +353,25 @@ def _first_occurrence_order(inverse: torch.Tensor) -> torch.Tensor:
     return rank[inverse]
 
 
-def _dedup_onehot_keys(kjt: KeyedJaggedTensor, keys: list[int], key_off: list[int]) -> dict:
-    """{key: (sorted distinct ids, inverse [B])} for one-hot keys, with one
-    torch.unique over all of them (ids shifted apart per key) instead of one a key."""
-    if not keys:
-        return {}
-    B = kjt.stride
-    vals = torch.stack([kjt.values[key_off[f] : key_off[f] + B] for f in keys])  # [K, B]
-    low = vals.amin()
-    span = int(vals.amax() - low) + 1
-    shifted = (vals - low) + torch.arange(len(keys), device=vals.device).view(-1, 1) * span
-    distinct, inverse = torch.unique(shifted, sorted=True, return_inverse=True)
+def unique_onehot(ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row of ``ids`` (int64 [K, B], one-hot keys): (sorted distinct ids,
+    inverse [B]), with one torch.unique over all keys (ids shifted apart per
+    key) instead of one a key: measured 1.5x faster at batch 128 and 1.7x at
+    2048 than numpy's unique per key (BENCHMARKS.md, one-hot dedup)."""
+    K, B = ids.shape
+    if K == 0:
+        return []
+    if B == 0:
+        return [(ids.new_empty(0), ids.new_empty(0))] * K
+    low, high = ids.aminmax()
+    span = int(high - low) + 1
+    key_base = torch.arange(K, dtype=torch.int64, device=ids.device).view(-1, 1) * span
+    distinct, inverse = torch.unique(ids - low + key_base, sorted=True, return_inverse=True)
     key_of = torch.div(distinct, span, rounding_mode="floor")
-    counts = torch.bincount(key_of, minlength=len(keys))
-    starts = _exclusive_cumsum(counts)
-    out = {}
-    for k, f in enumerate(keys):
-        lo, hi = int(starts[k]), int(starts[k + 1])
-        out[f] = (distinct[lo:hi] - k * span + low, inverse[k] - lo)
-    return out
+    counts = torch.bincount(key_of, minlength=K)
+    local = distinct - key_of * span + low
+    inverse = inverse - (torch.cumsum(counts, 0) - counts).view(-1, 1)
+    return list(zip(torch.split(local, counts.tolist()), inverse.unbind(0)))
 
 
 def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
@@ -332,7 +390,11 @@ def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
         )
     key_off = _exclusive_cumsum(lengths.sum(1)).tolist()
     lmin, lmax = (t.tolist() for t in lengths.aminmax(dim=1))
-    onehot = _dedup_onehot_keys(kjt, [f for f in range(F) if lmin[f] == lmax[f] == 1], key_off)
+    onehot_keys = [f for f in range(F) if lmin[f] == lmax[f] == 1]
+    onehot = {}
+    if onehot_keys:
+        ids = torch.stack([kjt.values[key_off[f] : key_off[f] + B] for f in onehot_keys])  # [K, B]
+        onehot = dict(zip(onehot_keys, unique_onehot(ids)))
     out_values, out_lengths, counts, inverses = [], [], [], []
     for f in range(F):
         vals = kjt.values[key_off[f] : key_off[f + 1]]
@@ -340,22 +402,8 @@ def dedup_kjt(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
         if f in onehot:
             u_vals, inv = onehot[f]
             u_lens = torch.ones(u_vals.numel(), dtype=torch.int64, device=device)
-        elif lmin[f] == lmax[f] == 0:  # every bag empty: one distinct (empty) bag
-            u_vals = vals
-            u_lens = torch.zeros(1, dtype=torch.int64, device=device)
-            inv = torch.zeros(B, dtype=torch.int64, device=device)
-        elif lmin[f] == lmax[f] == 1:  # one-hot
-            u_vals, inv = torch.unique(vals, return_inverse=True)
-            u_lens = torch.ones(u_vals.numel(), dtype=torch.int64, device=device)
-        elif lmin[f] == lmax[f]:  # fixed length L: distinct rows of a [B, L] matrix
-            L = lmin[f]
-            rows, inv = torch.unique(vals.view(B, L), dim=0, return_inverse=True)
-            u_vals = rows.reshape(-1)
-            u_lens = torch.full((rows.shape[0],), L, dtype=torch.int64, device=device)
         else:
-            inv, rep = _unique_bags(vals, lens)
-            u_lens = lens[rep]
-            u_vals = _gather_bags(vals, _exclusive_cumsum(lens), rep, u_lens)
+            u_vals, u_lens, inv = _unique_bags(vals, lens)
         out_values.append(u_vals)
         out_lengths.append(u_lens)
         counts.append(u_lens.numel())

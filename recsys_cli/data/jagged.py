@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -77,3 +78,15 @@ class KeyedJaggedTensor:
 
     def pin_memory(self) -> "KeyedJaggedTensor":
         return self.apply(torch.Tensor.pin_memory)
+
+
+def take_bags(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Select/permute the bags of a jagged array (numpy, on the loader thread):
+    (offsets [len(rows) + 1] of the taken bags, their values as int64)."""
+    lengths = (offsets[1:] - offsets[:-1])[rows]
+    new_off = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_off[1:])
+    total = int(new_off[-1])
+    idx = np.repeat(offsets[:-1][rows].astype(np.int64) - new_off[:-1], lengths)
+    idx += np.arange(total, dtype=np.int64)
+    return new_off, values[idx].astype(np.int64, copy=False)

@@ -32,6 +32,7 @@ from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.loggers import make_log
+from recsys_cli.train.memory import RSSTrace
 from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
@@ -150,6 +151,7 @@ class Trainer:
         self.schedule = LRSchedule.from_config(opt, self.total_steps)
 
         self.timer = PhaseTimer(self.device, self.runtime)
+        self.rss = RSSTrace()  # summary.json's memory: RSS at every log step
         self.log = make_log(tc.logger, run_dir, self.dist.is_main)
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0
@@ -241,6 +243,7 @@ class Trainer:
                         now = time.perf_counter()
                         rate = self.running_steps * tc.batch_size / (now - last_log)
                         self.log.write(self.step_record(mean_loss, rate))
+                        self.rss.sample(self.step)
                         progress.update(self.step, mean_loss, rate)
                         self.running_loss.zero_()
                         self.running_steps, last_log = 0, now
@@ -442,6 +445,7 @@ class Trainer:
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
             "embedding_bytes": self.embeddings.memory(),
             "peak_host_rss_bytes": peak_rss,
+            "memory": self.rss.report(),
             "embedding_bytes_allocated": self.embedding_allocated,  # CUDA: measured by the allocators
             "peak_device_bytes": (self.runtime.allocated() or {}).get("device_peak"),
             "peak_pinned_host_bytes": (self.runtime.allocated() or {}).get("pinned_host_peak"),

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify bench gpu-check clean
+.PHONY: setup train test verify bench bench-soak gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ verify: setup
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)
+
+# Memory that does not grow with the run: peak RSS at many steps vs few, each
+# in its own process (bench/soak_bench.py; a few minutes at its defaults).
+bench-soak: setup
+	$(BIN)/python -m bench.soak_bench $(ARGS)
 
 # The device check (README, GPU): tests on CUDA, exactness and determinism on
 # CUDA, placement timings and prefetch overlap; needs one CUDA GPU, ~8 minutes.

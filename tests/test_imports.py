@@ -14,12 +14,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data_tools", "recsys_cli")
-# Cycles that exist and have an owner removing them; the test fails on any
-# other cycle, and on one of these growing.
-KNOWN_CYCLES = [
-    # trainer -> distributed -> trainer: helper A's distribution strategies (issue 12) remove it.
-    {"recsys_cli.train.trainer", "recsys_cli.train.distributed", "recsys_cli.train.embedding_sync"},
-]
 
 
 def _modules() -> dict[str, Path]:
@@ -115,8 +109,7 @@ def test_graph_sees_function_level_imports():
 
 def test_no_import_cycles():
     cycles = _cycles(GRAPH)
-    unexpected = [c for c in cycles if not any(c <= known for known in KNOWN_CYCLES)]
-    assert not unexpected, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in unexpected)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
 def test_data_tools_never_imports_recsys_cli():

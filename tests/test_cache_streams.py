@@ -44,7 +44,7 @@ def test_readers_wait_for_the_fill_recorded_before_the_rows_are_published():
 
         def recorded(stream=None):
             if stream is group.side_stream:
-                mapped_at_fill.append((group.slot_of_row >= 0).clone())
+                mapped_at_fill.append(group.slot_index.contains(torch.arange(group.num_rows)))
             inner(stream)
 
         e.record = recorded

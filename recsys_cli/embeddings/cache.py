@@ -103,6 +103,7 @@ import torch
 
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.plan import LookupPlan, RowSources
+from recsys_cli.embeddings.slot_index import SlotIndex
 from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
@@ -161,7 +162,8 @@ class CachedGroup(TableGroup):
         dev = self.device
         self.cache_rows = torch.zeros(cache_slots, self.dim, device=dev)
         self.cache_state = torch.zeros(cache_slots, self.store.state_width, device=dev)
-        self.slot_of_row = torch.full((self.num_rows,), -1, dtype=torch.int32)
+        # row -> slot for resident rows only: a hash map sized to the cache, not the table.
+        self.slot_index = SlotIndex(cache_slots)
         self.row_of_slot = torch.full((cache_slots,), -1, dtype=torch.int64)
         self.pins = torch.zeros(cache_slots, dtype=torch.int32)
         self.dirty = torch.zeros(cache_slots, dtype=torch.bool)
@@ -252,7 +254,7 @@ class CachedGroup(TableGroup):
         with self.cond:
             index = self.prepared
             self._wait_completed(index - self.window)  # the prefetcher runs at most `window` batches ahead
-            slots = self.slot_of_row[unique].to(torch.int64)
+            slots = self.slot_index.lookup(unique)
             hit = slots >= 0
             misses = unique[~hit]
             if self.row_uses is not None:
@@ -342,15 +344,15 @@ class CachedGroup(TableGroup):
             if n_load:
                 target = slots[fill.loaded]
                 rows = plan.unique[fill.loaded]
-                previous = self.slot_of_row[rows].to(torch.int64)
+                previous = self.slot_index.lookup(rows)
                 self.row_of_slot[previous[previous >= 0]] = -1
                 old = self.row_of_slot[target]
-                self.slot_of_row[old[old >= 0]] = -1
+                self.slot_index.remove(torch.cat([rows[previous >= 0], old[old >= 0]]))
                 dev = target.to(self.device)
                 self.cache_rows.index_copy_(0, dev, values[:, : self.dim].to(self.device))
                 self.cache_state.index_copy_(0, dev, values[:, self.dim :].to(self.device))
                 self.row_of_slot[target] = rows
-                self.slot_of_row[rows] = target.to(torch.int32)
+                self.slot_index.insert(rows, target)
                 self.counters["rows_loaded"] += n_load
             self.pins[slots] += 1
             self.inflight += 1
@@ -472,8 +474,7 @@ class CachedGroup(TableGroup):
             assert victims.numel() == count, "the victim order lost slots"
             assert bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
         self._write_back(victims[self.dirty[victims]], step)
-        rows = self.row_of_slot[victims]
-        self.slot_of_row[rows] = -1
+        self.slot_index.remove(self.row_of_slot[victims])
         self.row_of_slot[victims] = -1
         self.score[victims] = 0
         self.free_slots[self.num_free : self.num_free + count] = victims
@@ -505,7 +506,7 @@ class CachedGroup(TableGroup):
         if rows.numel() == 0:
             return
         if self.debug:
-            assert bool((self.slot_of_row[rows] < 0).all()), "loading a row that already has a slot"
+            assert not bool(self.slot_index.contains(rows).any()), "loading a row that already has a slot"
         values, state = self.store.read(rows.to(self.store.device))
         staging = self.fill_staging or (None, None)
         with self._stream():
@@ -515,7 +516,7 @@ class CachedGroup(TableGroup):
             self.cache_rows.index_copy_(0, dev_slots, self._to_device(values, staging[0]))
             self.cache_state.index_copy_(0, dev_slots, self._to_device(state, staging[1]))
             self._record_fill()  # before the slot map below makes the rows readable
-        self.slot_of_row[rows] = slots.to(torch.int32)
+        self.slot_index.insert(rows, slots)
         self.row_of_slot[slots] = rows
         self.dirty[slots] = False
         self.counters["rows_loaded"] += rows.numel()
@@ -558,7 +559,7 @@ class CachedGroup(TableGroup):
             return
         direct = served.direct_rows
         if self.debug:
-            assert bool((self.slot_of_row[direct.cpu()] < 0).all()), "a row served by the store has a slot"
+            assert not bool(self.slot_index.contains(direct.cpu()).any()), "a row served by the store has a slot"
         staging = self.step_staging or (None, None)
         state = torch.empty(plan.num_unique, self.cache_state.shape[1], device=self.device)
         state.index_copy_(0, served.cached_at, self.cache_state.index_select(0, served.cached_slots))
@@ -637,7 +638,7 @@ class CachedGroup(TableGroup):
         """Current rows, for evaluation: resident ones from their slots, once
         their fills have landed (the prefetcher may still be filling)."""
         with self.cond:
-            slots = self.slot_of_row[ids].to(torch.int64)
+            slots = self.slot_index.lookup(ids)
             hit_at = torch.nonzero(slots >= 0).flatten()  # host index tensors: no mask on a device tensor
             rows = self.store.read_rows(ids.to(self.store.device)).to(self.device)
             if hit_at.numel():
@@ -711,7 +712,7 @@ class CachedGroup(TableGroup):
             self.cache_state.copy_(saved["cache_state"])
             self.row_of_slot.copy_(saved["row_of_slot"])
             resident = torch.nonzero(self.row_of_slot >= 0).flatten()
-            self.slot_of_row[self.row_of_slot[resident]] = resident.to(torch.int32)
+            self.slot_index.insert(self.row_of_slot[resident], resident)
             self.dirty.copy_(saved["dirty"])
             self.score.copy_(saved["score"])
             self.free_slots.copy_(saved["free_slots"])
@@ -735,7 +736,7 @@ class CachedGroup(TableGroup):
         with self.cond:
             if self.inflight:
                 raise RuntimeError("cannot reload tables while batches are in flight")
-            self.slot_of_row.fill_(-1)
+            self.slot_index.clear()
             self.row_of_slot.fill_(-1)
             self.dirty.zero_()
             self.score.zero_()
@@ -755,18 +756,18 @@ class CachedGroup(TableGroup):
         with self.cond:
             resident = torch.nonzero(self.row_of_slot >= 0).flatten()
             rows = self.row_of_slot[resident]
-            assert torch.equal(self.slot_of_row[rows].to(torch.int64), resident), "slot and row maps disagree"
-            assert int((self.slot_of_row >= 0).sum()) == resident.numel(), "a row maps to a slot that does not hold it"
+            assert torch.equal(self.slot_index.lookup(rows), resident), "slot and row maps disagree"
+            assert len(self.slot_index) == resident.numel(), "a row maps to a slot that does not hold it"
             free = self.free_slots[: self.num_free]
             assert bool((self.row_of_slot[free] < 0).all()), "a free slot holds a row"
             assert free.numel() + resident.numel() == self.capacity, "slots lost"
 
     def memory(self) -> list[tuple[str, str, int]]:
         cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4
-        index = [self.slot_of_row, self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots]
+        index = [self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots]
         if self.row_uses is not None:
             index.append(self.row_uses)
-        index_bytes = sum(t.numel() * t.element_size() for t in index)
+        index_bytes = self.slot_index.nbytes() + sum(t.numel() * t.element_size() for t in index)
         return [*self.store.memory(self.store_tier), ("device", "cache", cache), ("host", "index", index_bytes)]
 
     def stats(self) -> dict:

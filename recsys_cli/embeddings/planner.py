@@ -56,6 +56,7 @@ from typing import Iterable
 
 import numpy as np
 
+from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT as SLOT_INDEX_BYTES_PER_SLOT
 from recsys_cli.embeddings.tables import TableSpec
 from recsys_cli.errors import UserError
 
@@ -69,11 +70,12 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
-# Host bytes of a cache's index (CachedGroup): per table row, slot_of_row
-# (int32) (a lookahead cache has no LFU admission, so no row_uses); per slot, row_of_slot (int64), pins (int32), dirty (bool), score (int64),
-# free_slots (int64).
-INDEX_BYTES_PER_ROW = 4
-INDEX_BYTES_PER_SLOT = 8 + 4 + 1 + 8 + 8
+# Host bytes of a cache's index (CachedGroup), all per slot (a lookahead
+# cache has no LFU admission, so no per-row row_uses): the slot index (a hash
+# map sized to the cache), row_of_slot (int64), pins (int32), dirty (bool),
+# score (int64), free_slots (int64).
+INDEX_BYTES_PER_ROW = 0
+INDEX_BYTES_PER_SLOT = SLOT_INDEX_BYTES_PER_SLOT + 8 + 4 + 1 + 8 + 8
 # Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
 HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
 
@@ -302,9 +304,7 @@ def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state
 
 def slot_index_bytes(capacity: int) -> int:
     """Bytes of a SlotIndex of `capacity` keys (slot_index.py: int64 keys and int32 values per bucket)."""
-    from recsys_cli.embeddings.slot_index import _buckets_for
-
-    return _buckets_for(max(capacity, 1)) * (8 + 4)
+    return max(capacity, 1) * SLOT_INDEX_BYTES_PER_SLOT
 
 
 def plan_placement(

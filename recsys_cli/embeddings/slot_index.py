@@ -4,16 +4,17 @@ A cache of C slots in front of a table of N rows needs row -> slot for the
 rows it holds only. A dense map costs N entries however small C is (a 1 %
 cache of a 30M-row table would pay for 30M entries); this one is an
 open-addressing hash table of int64 keys (fused row ids) with linear probing,
-sized once to the cache: 2**k buckets for at least 2C, so it never exceeds
-half full and costs about 24-48 bytes per slot, never per table row.
+sized once to the cache: 4C buckets, so it is never more than a quarter full
+and costs 48 bytes per slot (BYTES_PER_SLOT), never anything per table row.
 
 Every operation is vectorised over a batch of keys: a probe round looks up
-all still-unresolved keys at once, and the rounds stop when none is left, so
-the Python loop runs once per probe distance (a handful), not once per id.
+all still-unresolved keys at once (a window of buckets each, for lookups),
+and the rounds stop when none is left, so the Python loop runs a few times
+per call, never once per id.
 Inserts resolve collisions within a batch deterministically: the lowest
 batch position wins a contested empty bucket, the others probe on. Removal
 leaves a tombstone (lookups probe past it, inserts reuse it); when live
-entries plus tombstones pass 3/4 of the buckets the table is rebuilt from its
+entries plus tombstones pass half of the buckets the table is rebuilt from its
 live entries, so probe chains stay short under any insert/remove pattern.
 
 The tensors live on the index's device (CPU or CUDA): the same code runs on
@@ -26,18 +27,15 @@ from __future__ import annotations
 
 import torch
 
-from recsys_cli.embeddings.counter import MASK32, fmix32
+from recsys_cli.embeddings.counter import MASK32, mul32
 
 EMPTY = -1
 TOMBSTONE = -2
-_MAX_FILL = 0.75  # live + tombstones above this fraction of the buckets: rebuild
-
-
-def _buckets_for(capacity: int) -> int:
-    buckets = 16
-    while buckets < 2 * capacity:
-        buckets *= 2
-    return buckets
+_MAX_FILL = 0.5  # live + tombstones above this fraction of the buckets: rebuild
+_WINDOW = 4  # buckets a lookup probes per round
+_GOLDEN = 0x9E3779B1  # 2**32 / the golden ratio, odd
+BUCKETS_PER_SLOT = 4
+BYTES_PER_SLOT = BUCKETS_PER_SLOT * (8 + 4)  # an int64 key and an int32 value per bucket
 
 
 class SlotIndex:
@@ -45,12 +43,12 @@ class SlotIndex:
     values (cache slots). lookup/insert/remove take 1-D int64 key tensors."""
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
-        if capacity < 1:
-            raise ValueError(f"a slot index needs a capacity of at least 1, got {capacity}")
+        if not 1 <= capacity < 1 << 29:
+            raise ValueError(f"a slot index holds 1 to 2**29 - 1 keys, not {capacity}")
         self.capacity = capacity
         self.device = torch.device(device)
-        self.num_buckets = _buckets_for(capacity)
-        self._mask = self.num_buckets - 1
+        self.num_buckets = BUCKETS_PER_SLOT * capacity  # < 2**31: the home bucket's product stays in int64
+        self._steps = torch.arange(_WINDOW, device=self.device)
         self.keys = torch.full((self.num_buckets,), EMPTY, dtype=torch.int64, device=self.device)
         # Slots fit in int32 (a cache has far fewer than 2**31 slots).
         self.values = torch.full((self.num_buckets,), -1, dtype=torch.int32, device=self.device)
@@ -64,21 +62,30 @@ class SlotIndex:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def _home(self, keys: torch.Tensor) -> torch.Tensor:
-        """Each key's first bucket: a 32-bit hash of both halves of the key."""
-        return fmix32((keys & MASK32) ^ fmix32(keys >> 32)) & self._mask
+        """Each key's first bucket: Fibonacci hashing of the key's two halves
+        folded to 32 bits, scaled to the bucket count (h * buckets / 2**32)."""
+        return (mul32((keys ^ (keys >> 32)) & MASK32, _GOLDEN) * self.num_buckets) >> 32
 
     def _find(self, keys: torch.Tensor) -> torch.Tensor:
-        """The bucket holding each key, -1 where it is absent."""
+        """The bucket holding each key, -1 where it is absent. Probes a window
+        of _WINDOW buckets per round: at a quarter full nearly every chain
+        ends inside the first window, so one round resolves almost all keys."""
         found = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
         at = torch.arange(keys.numel(), device=self.device)  # batch positions still probing
         want = keys
         pos = self._home(keys)
         while at.numel():
-            seen = self.keys[pos]
-            hit = seen == want
-            found[at[hit]] = pos[hit]
-            going = ~hit & (seen != EMPTY)  # an empty bucket ends the chain; a tombstone does not
-            at, want, pos = at[going], want[going], (pos[going] + 1) & self._mask
+            window = (pos.unsqueeze(1) + self._steps) % self.num_buckets
+            seen = self.keys.index_select(0, window.flatten()).view(window.shape)
+            hit = seen == want.unsqueeze(1)
+            ends = hit | (seen == EMPTY)  # an empty bucket ends the chain; a tombstone does not
+            first = ends.to(torch.int8).argmax(1, keepdim=True)  # the first end in the window
+            ended = ends.any(1)
+            at_hit = hit.gather(1, first).squeeze(1)
+            found.index_copy_(0, at, torch.where(at_hit, window.gather(1, first).squeeze(1), -1))
+            going = torch.nonzero(~ended).flatten()
+            at, want = at.index_select(0, going), want.index_select(0, going)
+            pos = (pos.index_select(0, going) + _WINDOW) % self.num_buckets
         return found
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
@@ -87,7 +94,7 @@ class SlotIndex:
         if flat.numel() == 0 or self.size == 0:
             return torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
         found = self._find(flat)
-        out = torch.where(found >= 0, self.values[found.clamp(min=0)].to(torch.int64), -1)
+        out = torch.where(found >= 0, self.values.index_select(0, found.clamp(min=0)).to(torch.int64), -1)
         return out.view(keys.shape)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -123,7 +130,7 @@ class SlotIndex:
             self.values[won_pos] = values[at[won]]
             going = torch.ones(at.numel(), dtype=torch.bool, device=self.device)
             going[won] = False
-            at, pos = at[going], (pos[going] + 1) & self._mask
+            at, pos = at[going], (pos[going] + 1) % self.num_buckets
         self.size += n
         self.tombstones -= reused
 

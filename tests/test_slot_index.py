@@ -1,0 +1,106 @@
+"""SlotIndex (the cache's row -> slot hash map) against a dict reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT, SlotIndex
+from devices import TEST_DEVICE
+
+
+def _check(index: SlotIndex, ref: dict[int, int], universe: int) -> None:
+    probe = torch.arange(universe, dtype=torch.int64)
+    want = torch.tensor([ref.get(k, -1) for k in range(universe)], dtype=torch.int64)
+    assert torch.equal(index.lookup(probe.to(index.device)).cpu(), want)
+    assert len(index) == len(ref)
+    keys, values = index.items()
+    got = dict(zip(keys.cpu().tolist(), values.cpu().tolist()))
+    assert got == ref
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_insert_remove_lookup_equals_a_dict(seed):
+    """Batches of inserts and removes, as a cache makes them, with keys from a
+    universe much larger than the index (fused row ids of a big table)."""
+    rng = random.Random(seed)
+    capacity, universe = 200, 5000
+    index = SlotIndex(capacity, TEST_DEVICE)
+    ref: dict[int, int] = {}
+    for _ in range(150):
+        if ref and rng.random() < 0.45:
+            gone = rng.sample(sorted(ref), rng.randint(1, len(ref)))
+            absent = [k for k in rng.sample(range(universe), 5) if k not in ref]
+            removed = index.remove(torch.tensor(gone + absent + gone[:3], device=TEST_DEVICE))  # absent and repeated keys
+            assert removed == len(gone)
+            for k in gone:
+                del ref[k]
+        else:
+            room = capacity - len(ref)
+            fresh = [k for k in rng.sample(range(universe), min(universe, room + 20)) if k not in ref][: rng.randint(0, room)]
+            values = [rng.randrange(capacity) for _ in fresh]
+            index.insert(torch.tensor(fresh, dtype=torch.int64, device=TEST_DEVICE), torch.tensor(values, device=TEST_DEVICE))
+            ref.update(zip(fresh, values))
+        queried = torch.tensor([rng.randrange(universe) for _ in range(64)], dtype=torch.int64)
+        want = torch.tensor([ref.get(k, -1) for k in queried.tolist()], dtype=torch.int64)
+        assert torch.equal(index.lookup(queried.to(TEST_DEVICE)).cpu(), want)
+    _check(index, ref, universe)
+
+
+def test_colliding_keys_in_one_batch():
+    """Keys that all hash to one home bucket, inserted together and removed
+    from the middle of their probe chain: later keys of the chain stay found."""
+    index = SlotIndex(64, TEST_DEVICE)
+    homes = index._home(torch.arange(100_000, device=TEST_DEVICE)).cpu()
+    same = torch.nonzero(homes == homes[0]).flatten()[:12]
+    assert same.numel() == 12
+    index.insert(same.to(TEST_DEVICE), torch.arange(12, device=TEST_DEVICE))
+    ref = dict(zip(same.tolist(), range(12)))
+    _check(index, ref, 100_000)
+    middle = same[3:7]
+    index.remove(middle.to(TEST_DEVICE))
+    for k in middle.tolist():
+        del ref[k]
+    _check(index, ref, 100_000)
+    index.insert(middle[:2].to(TEST_DEVICE), torch.tensor([40, 41], device=TEST_DEVICE))  # reuses tombstones
+    ref.update({middle[0].item(): 40, middle[1].item(): 41})
+    _check(index, ref, 100_000)
+
+
+def test_full_index_and_churn():
+    """Filled to capacity it still answers; one key more is refused; heavy
+    churn (tombstones) triggers rebuilds without losing an entry."""
+    capacity = 100
+    index = SlotIndex(capacity, TEST_DEVICE)
+    keys = torch.arange(0, 10 * capacity, 10, dtype=torch.int64)
+    index.insert(keys.to(TEST_DEVICE), torch.arange(capacity, device=TEST_DEVICE))
+    ref = dict(zip(keys.tolist(), range(capacity)))
+    _check(index, ref, 10 * capacity)
+    with pytest.raises(ValueError, match="full"):
+        index.insert(torch.tensor([7], device=TEST_DEVICE), torch.tensor([0], device=TEST_DEVICE))
+    rng = random.Random(5)
+    next_key = 10 * capacity
+    for _ in range(300):  # replace a few entries at a time: tombstones pile up until a rebuild
+        gone = rng.sample(sorted(ref), 7)
+        index.remove(torch.tensor(gone, device=TEST_DEVICE))
+        fresh = list(range(next_key, next_key + 7))
+        next_key += 7
+        values = [ref.pop(k) for k in gone]
+        index.insert(torch.tensor(fresh, device=TEST_DEVICE), torch.tensor(values, device=TEST_DEVICE))
+        ref.update(zip(fresh, values))
+        assert index.size + index.tombstones <= 0.5 * index.num_buckets
+    _check(index, ref, next_key)
+
+
+def test_large_keys_and_memory_sized_to_capacity():
+    """Keys past 2**32 (fused rows of huge tables) are distinct keys, and the
+    index's bytes depend on its capacity, never on the key range."""
+    index = SlotIndex(1000, TEST_DEVICE)
+    keys = torch.tensor([5, 5 + (1 << 32), 5 + (1 << 40), (1 << 62) + 5], dtype=torch.int64)
+    index.insert(keys.to(TEST_DEVICE), torch.arange(4, device=TEST_DEVICE))
+    assert index.lookup(keys.to(TEST_DEVICE)).cpu().tolist() == [0, 1, 2, 3]
+    assert index.lookup(torch.tensor([6], device=TEST_DEVICE)).cpu().tolist() == [-1]
+    assert index.nbytes() == SlotIndex(1000).nbytes() == 1000 * BYTES_PER_SLOT
+    assert index.lookup(torch.zeros(0, dtype=torch.int64, device=TEST_DEVICE)).numel() == 0

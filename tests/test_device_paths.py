@@ -306,19 +306,18 @@ def test_a_host_table_is_pinned_once_in_place_never_copied_to_pin(kind, precisio
     from recsys_cli.config import PlacementConfig, PrecisionConfig
     from recsys_cli.embeddings.optim import RowOptimizer
     from recsys_cli.embeddings.placement import make_group
-    from recsys_cli.embeddings.tables import TableSpec, init_table
+    from recsys_cli.embeddings.tables import TableSpec
 
     specs = [TableSpec("a", 500, 8), TableSpec("b", 300, 8)]
-    weights = torch.cat([init_table(t, 0) for t in specs])
     runtime = RecordingRuntime()
     place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": kind, "cache_rows": 100})
     prec = OmegaConf.merge(OmegaConf.structured(PrecisionConfig), {"kind": precision})
-    group = make_group(kind, precision, specs, weights, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
+    group = make_group(kind, precision, specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
                        runtime=runtime)
     store = group.store
     assert not [e for e in runtime.log if e[0] == "pin"]  # nothing pinned by copying
     assert sum(e[1] for e in runtime.log if e[0] == "alloc_pinned") == store.nbytes()  # exactly one copy
     assert all(runtime.is_pinned(t) for t in [*store.rows.tensors().values(), store.state])
-    unpinned = make_group(kind, precision, specs, weights, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0)
+    unpinned = make_group(kind, precision, specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0)
     for k, v in unpinned.store.rows.tensors().items():  # the same table either way
         assert torch.equal(store.rows.tensors()[k], v)

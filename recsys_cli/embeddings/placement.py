@@ -30,7 +30,7 @@ from recsys_cli.device import runtime_for
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import DirectGroup, TableSpec, init_table
+from recsys_cli.embeddings.tables import DirectGroup, TableSpec, build_initial_rows
 from recsys_cli.errors import UserError
 
 DEFAULT_CACHE_RATIO = {"fp16": 0.05, "int8": 0.05, "int4": 0.01}
@@ -84,16 +84,19 @@ def build_embeddings(
                                     seed, rows)
             built.append(([t.name for t in specs], group))
             continue
-        weights = torch.cat([init_table(t, seed) for t in specs])
-        group = make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device,
+        group = make_group(kind, table_precision, specs, placement, precision, optimizer, device,
                            seed, rows, table_rows)
         built.append(([t.name for t in specs], group))
     return EmbeddingBagCollection(features, built, dim)
 
 
-def make_group(kind, table_precision, specs, weights, placement, precision, optimizer, device, seed, cache_rows=None,
+def make_group(kind, table_precision, specs, placement, precision, optimizer, device, seed, cache_rows=None,
                table_rows=None, runtime=None):
+    """The group of tables `specs`, its store built in place: allocated once
+    in its precision and location and filled chunk by chunk (no fp32 copy of
+    the tables, no concatenation)."""
     names = [t.name for t in specs]
+    num_rows = sum(t.num_rows for t in specs)
     kind = canonical(kind)
     host = kind in ("host", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
@@ -101,9 +104,10 @@ def make_group(kind, table_precision, specs, weights, placement, precision, opti
     # A host table on a CUDA run lives in pinned memory, allocated so and built in place: one copy, not two.
     empty = runtime.empty_pinned if host and runtime.pins_host else None
     store = RowStore(
-        weights.to(store_device), optimizer.initial_state(weights.shape[0], store_device, empty),
-        table_precision, precision.rounding, seed, table_rows, empty,
+        num_rows, specs[0].dim, optimizer.initial_state(num_rows, store_device, empty),
+        table_precision, precision.rounding, seed, table_rows, empty, store_device,
     )
+    build_initial_rows(specs, seed, store.write_initial, into=store.initial_view)
     args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
     if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots
@@ -114,7 +118,7 @@ def make_group(kind, table_precision, specs, weights, placement, precision, opti
         else:
             ratio = precision.cache_ratio or DEFAULT_CACHE_RATIO[table_precision]
             policy, rows = precision.policy, None
-        slots = cache_slots(weights.shape[0], rows, ratio)
+        slots = cache_slots(num_rows, rows, ratio)
         return CachedGroup(
             **args, store_tier="device" if kind == "device" else "host", cache_slots=slots, policy=policy,
             lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32",

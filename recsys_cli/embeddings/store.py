@@ -7,6 +7,10 @@ the store's precision (quantizing low-precision stores, see quant.py). A
 write names its step: stochastic rounding noise is keyed by (seed, table,
 row within the table, step), so it does not depend on how tables are fused
 or in which order rows are written.
+
+A store is allocated once, in its precision and location, and built in place
+(tables.build_initial_rows -> write_initial, chunk by chunk): no fp32 copy of
+a low-precision table and no concatenation of the tables ever exists.
 """
 
 from __future__ import annotations
@@ -15,38 +19,53 @@ import torch
 
 from recsys_cli.embeddings.quant import INIT_STEP, QuantizedRows, RoundingKey, empty_rows
 
-CHUNK_ROWS = 1 << 18  # rows quantized at a time: no full-size fp32 temporary of a huge table
-
 
 class RowStore:
     def __init__(
         self,
-        weights: torch.Tensor,
+        num_rows: int,
+        dim: int,
         state: torch.Tensor,
         precision: str = "fp32",
         rounding: str = "stochastic",
         seed: int = 0,
         table_rows: list[tuple[int, int]] | None = None,
         empty=None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """weights: fp32 [rows, dim] initial values; state: fp32 [rows, 0|1];
-        table_rows: (table number, rows) of the fused tables in order, the
-        tables' identity for rounding keys (default: one table numbered 0);
-        empty(shape, dtype): allocates the rows (pinned host memory on CUDA
-        runs: the one copy of a host table is built in place, never pinned
-        by copying)."""
-        self.num_rows, self.dim = weights.shape
+        """Uninitialised rows [num_rows, dim] in `precision` on `device` (fill
+        them with write_initial, e.g. through tables.build_initial_rows);
+        state: fp32 [rows, 0|1]; table_rows: (table number, rows) of the fused
+        tables in order, the tables' identity for rounding keys (default: one
+        table numbered 0); empty(shape, dtype): allocates the rows (pinned host
+        memory on CUDA runs: the one copy of a host table is built in place,
+        never pinned by copying)."""
+        self.num_rows, self.dim = num_rows, dim
         self.seed = seed
-        self.device = weights.device
+        self.device = torch.device(device)
         table_rows = table_rows or [(0, self.num_rows)]
         sizes = torch.tensor([n for _, n in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
         self._table_number = torch.tensor([t for t, _ in table_rows], dtype=torch.int64)
         self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
-        for start in range(0, self.num_rows, CHUNK_ROWS):
-            ids = torch.arange(start, min(self.num_rows, start + CHUNK_ROWS), device=self.device)
-            self.rows.write(ids, weights[ids], self.key(ids, INIT_STEP))
         self.state = state
+
+    def write_initial(self, start: int, rows: torch.Tensor) -> None:
+        """Store the initial fp32 rows of fused rows [start, start + n): each
+        row is rounded on its own, keyed by (table, row, INIT_STEP), so the
+        bits do not depend on how the build is chunked."""
+        ids = torch.arange(start, start + rows.shape[0], device=self.device)
+        self.rows.write(ids, rows.to(self.device), self.key(ids, INIT_STEP) if self._keyed else None)
+
+    def initial_view(self, start: int, end: int) -> torch.Tensor | None:
+        """The fp32 host rows [start, end) to initialise in place, else None."""
+        if self.precision == "fp32" and self.device.type == "cpu":
+            return self.rows.weights[start:end]
+        return None
+
+    @property
+    def _keyed(self) -> bool:
+        return self.precision != "fp32" and self.rows.rounding == "stochastic"
 
     @property
     def precision(self) -> str:
@@ -68,10 +87,9 @@ class RowStore:
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, step: int | None = None) -> None:
         """Store fp32 rows (and state) of `ids`; step keys the rounding of a low-precision store."""
-        keyed = self.precision != "fp32" and self.rows.rounding == "stochastic"
-        if keyed and step is None:
+        if self._keyed and step is None:
             raise ValueError("a stochastically rounded write needs its step (the rounding key)")
-        self.rows.write(ids, rows, self.key(ids, step) if keyed else None)
+        self.rows.write(ids, rows, self.key(ids, step) if self._keyed else None)
         if state.numel():
             self.state.index_copy_(0, ids, state)
 

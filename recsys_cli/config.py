@@ -118,7 +118,8 @@ class TrainerConfig:
     max_steps: Optional[int] = None
     eval_every: Optional[int] = None  # steps; evaluation also runs at the end
     log_every: int = 50
-    checkpoint_every: Optional[int] = None  # steps; a checkpoint is also written at the end
+    checkpoint_every: Optional[int] = None  # steps (null: none during the run)
+    final_checkpoint: bool = True  # also write one at the end of the run (false: a run that keeps no model)
     checkpoint_dir: Optional[str] = None  # default: <run dir>/checkpoints
     # "true" resumes from checkpoint_dir's latest checkpoint, a path from that
     # checkpoint (file or directory).

@@ -259,7 +259,7 @@ class Trainer:
         self.train_seconds += time.perf_counter() - start
         # The trained model is saved before the final evaluation: an evaluation
         # that fails (a damaged val/test shard) never costs the training.
-        if self.checkpoint_dir is not None and self.saved_step != self.step:
+        if self.checkpoint_dir is not None and self.saved_step != self.step and tc.final_checkpoint:
             self.save()
         final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
         return self.summary(final)

@@ -25,9 +25,11 @@ def _store(precision: str, rounding: str = "stochastic") -> RowStore:
                     table_rows=[(i, t.num_rows) for i, t in enumerate(SPECS)])
 
 
-def _built(precision: str, chunk_rows: int | None, rounding: str = "stochastic", in_place: bool = True) -> dict:
+def _built(precision: str, chunk_rows: int | None, rounding: str = "stochastic", in_place: bool = True,
+           workers: int = 1) -> dict:
     store = _store(precision, rounding)
-    build_initial_rows(SPECS, 11, store.write_initial, chunk_rows, into=store.initial_view if in_place else None)
+    build_initial_rows(SPECS, 11, store.write_initial, chunk_rows, into=store.initial_view if in_place else None,
+                       workers=workers)
     return store.rows.tensors()
 
 
@@ -35,17 +37,18 @@ def _built(precision: str, chunk_rows: int | None, rounding: str = "stochastic",
                                                  ("int4", "stochastic"), ("int8", "nearest")])
 def test_built_tables_do_not_depend_on_the_chunk_size(precision, rounding):
     """Built in chunks of 1, 7, 4096 + 3 or the default rows, in place or
-    through write, the store holds the same bits as a store written in one
-    piece from each table's rows drawn one by one (another way round)."""
+    through write, on one thread or three, the store holds the same bits as a
+    store written in one piece from each table's rows drawn one by one
+    (another way round)."""
     reference = _store(precision, rounding)
     fp32 = torch.cat([init_rows(t, r, r + 1, seed=11) for t in SPECS for r in range(t.num_rows)])
     ids = torch.arange(fp32.shape[0])
     reference.rows.write(ids, fp32, reference.key(ids, INIT_STEP) if reference._keyed else None)
-    for chunk_rows in (1, 7, 4099, None):
-        for in_place in (True, False):
-            got = _built(precision, chunk_rows, rounding, in_place)
-            for name, tensor in reference.rows.tensors().items():
-                assert torch.equal(got[name], tensor), (precision, chunk_rows, in_place, name)
+    for chunk_rows, in_place, workers in [(1, True, 1), (7, False, 1), (4099, True, 3), (4099, False, 3),
+                                          (None, True, 1), (None, False, 1)]:
+        got = _built(precision, chunk_rows, rounding, in_place, workers)
+        for name, tensor in reference.rows.tensors().items():
+            assert torch.equal(got[name], tensor), (precision, chunk_rows, in_place, workers, name)
 
 
 _PEAK = textwrap.dedent("""

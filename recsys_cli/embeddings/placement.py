@@ -107,7 +107,7 @@ def make_group(kind, table_precision, specs, placement, precision, optimizer, de
         num_rows, specs[0].dim, optimizer.initial_state(num_rows, store_device, empty),
         table_precision, precision.rounding, seed, table_rows, empty, store_device,
     )
-    build_initial_rows(specs, seed, store.write_initial, into=store.initial_view)
+    build_initial_rows(specs, seed, store.write_initial, into=store.initial_view, workers=torch.get_num_threads())
     args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
     if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots

@@ -24,7 +24,7 @@ from recsys_cli.embeddings.cache import CachedGroup
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import plan_lookup
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import TableSpec, init_table
+from recsys_cli.embeddings.tables import TableSpec, build_initial_rows
 
 ROWS, SLOTS, BATCH = 200_000, 20_000, 400
 
@@ -51,7 +51,8 @@ class LargeResults(TorchFunctionMode):
 def _group(policy: str, lookahead: bool, precision: str) -> CachedGroup:
     spec = TableSpec("t", ROWS, 4)
     optimizer = RowOptimizer("sgd", 0.1)
-    store = RowStore(init_table(spec, 0), optimizer.initial_state(ROWS, torch.device("cpu")), precision)
+    store = RowStore(ROWS, 4, optimizer.initial_state(ROWS, torch.device("cpu")), precision)
+    build_initial_rows([spec], 0, store.write_initial, into=store.initial_view)
     return CachedGroup(tables=[spec], feature_tables=["t"], store=store, optimizer=optimizer, device=torch.device("cpu"),
                        cache_slots=SLOTS, policy=policy, lookahead=lookahead, window=3, admit_all=precision == "fp32",
                        store_tier="host")

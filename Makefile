@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify bench bench-soak gpu-check clean
+.PHONY: setup train test verify bench bench-soak bench-peers peers-setup gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,5 +41,32 @@ bench-soak: setup
 gpu-check: setup
 	$(BIN)/python -m bench.gpu_check $(ARGS)
 
+# The peer benchmark (BENCHMARKS.md, "Peers"): recsys against FBGEMM's TBE +
+# TorchRec's DLRM dense arch and plain nn.EmbeddingBag, in one process. Its
+# own venv, so the project's never depends on fbgemm or torchrec: torch first,
+# then fbgemm-gpu-cpu and torchrec at the versions built against it (1.8.0 of
+# both for torch 2.13.0; torchrec without its deps, which would move torch),
+# every install held at the same torch.
+PEERS := .venv-peers
+PEERS_BIN := $(PEERS)/bin
+FBGEMM ?= fbgemm-gpu-cpu==1.8.0
+TORCHREC ?= torchrec==1.8.0
+PEERS_STAMP := $(PEERS)/.installed
+
+peers-setup: $(PEERS_STAMP)
+
+$(PEERS_STAMP): pyproject.toml
+	$(PY) -m venv $(PEERS)
+	$(PEERS_BIN)/pip install -q --upgrade pip
+	$(PEERS_BIN)/pip install -q "$(TORCH)"
+	$(PEERS_BIN)/pip install -q "$(FBGEMM)" "$(TORCH)"
+	$(PEERS_BIN)/pip install -q --no-deps "$(TORCHREC)"
+	$(PEERS_BIN)/pip install -q tensordict torchmetrics==1.0.3 pyre-extensions iopath "$(TORCH)"
+	$(PEERS_BIN)/pip install -q -e . "$(TORCH)"
+	touch $(PEERS_STAMP)
+
+bench-peers: peers-setup
+	$(PEERS_BIN)/python -m bench.peers.ab $(ARGS)
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) $(PEERS) outputs multirun .pytest_cache

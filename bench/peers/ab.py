@@ -1,0 +1,213 @@
+"""Same-process A/B of recsys against FBGEMM's TBE and plain PyTorch (BENCHMARKS.md, "Peers").
+
+    make bench-peers ARGS="--batch 128 2048 --record"
+    .venv-peers/bin/python -m bench.peers.ab [--batch 128 2048] [--rounds 8] [--optimizer sgd]
+
+For each batch size every system (systems.py) is built in one process, with
+one compute thread (torch.set_num_threads(1)); each reads the same batches
+from its own loader. After a warm-up chunk each, the systems run in rounds:
+every round runs one chunk of steps per system (order rotated from round
+to round), timed end to end (waiting for the next batch included). A round
+gives each system's samples/s and recsys's ratio to each peer; the report is
+the per-round ratios, their median and range. Ratios from one round share
+the machine's load, which is why they are the figure (six processes share
+this machine's cores). Then each system runs alone in a fresh process
+(--only) and reports its peak RSS (build and training).
+
+The first steps' losses of every system are compared with recsys's: they
+start from the same weights, so they agree to float rounding, which checks
+that the systems train the same model with the same optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.peers.systems import SYSTEMS, Recsys, Setup, build, dataset_dir, shapes_of
+
+LOSS_STEPS = 20  # first steps whose losses are compared with recsys's
+
+
+def chunk(system, batches, steps: int) -> tuple[float, list[float]]:
+    """Seconds for `steps` steps, and their losses."""
+    losses = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        losses.append(system.step(next(batches)).detach())
+    seconds = time.perf_counter() - start
+    return seconds, [float(x) for x in losses]
+
+
+def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int) -> dict:
+    torch.set_num_threads(1)
+    cfg = setup.config()
+    data = dataset_dir(cfg)
+    shapes = shapes_of(cfg, data)
+    built = time.perf_counter()
+    recsys = Recsys(setup, shapes, data, cfg) if "recsys" in names else None
+    systems = {n: build(n, setup, cfg, shapes, data, recsys) for n in names}
+    build_seconds = time.perf_counter() - built
+    streams = {n: iter(s.loader()) for n, s in systems.items()}
+    needed = warmup + rounds * steps
+    if needed * setup.batch_size > setup.rows * 0.8:  # the train split is ~80 % of the rows
+        raise SystemExit(f"--rows {setup.rows} is too few for {needed} steps of batch {setup.batch_size}")
+    first_losses = {}
+    for n, s in systems.items():  # warm-up, and the loss check
+        _, losses = chunk(s, streams[n], warmup)
+        first_losses[n] = losses[:LOSS_STEPS]
+    per_round = []
+    load = [os.getloadavg()[0]]
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        rates = {}
+        for n in order:
+            seconds, _ = chunk(systems[n], streams[n], steps)
+            rates[n] = steps * setup.batch_size / seconds
+        per_round.append(rates)
+        load.append(os.getloadavg()[0])
+        print(f"  round {r + 1}: " + "  ".join(f"{n} {rates[n]:,.0f}/s" for n in names)
+              + ("  " + "  ".join(f"recsys/{n} {rates['recsys'] / rates[n]:.3f}" for n in names if n != "recsys")
+                 if "recsys" in names else ""), flush=True)
+    loss_gap = {n: max((abs(a - b) for a, b in zip(first_losses[n], first_losses["recsys"])), default=None)
+                for n in names if n != "recsys" and n != "mlps" and "recsys" in names}
+    return {"per_round": per_round, "loss_gap": loss_gap, "first_losses": first_losses,
+            "load": load, "build_seconds": build_seconds}
+
+
+def summarize(result: dict, names: list[str]) -> dict:
+    rounds = result["per_round"]
+    out = {"samples_per_second": {n: statistics.median(r[n] for r in rounds) for n in names}}
+    if "recsys" in names:
+        for n in names:
+            if n == "recsys":
+                continue
+            ratios = [r["recsys"] / r[n] for r in rounds]
+            out[f"recsys/{n}"] = (statistics.median(ratios), min(ratios), max(ratios))
+    return out
+
+
+def peak_rss(setup: Setup, name: str, steps: int, argv: list[str]) -> int | None:
+    """Peak RSS (bytes) of `name` built and trained alone in a fresh process."""
+    cmd = [sys.executable, "-m", "bench.peers.ab", *argv, "--batch", str(setup.batch_size), "--only", name,
+           "--only-steps", str(steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
+
+
+def run_only(setup: Setup, name: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    cfg = setup.config()
+    data = dataset_dir(cfg)
+    shapes = shapes_of(cfg, data)
+    system = build(name, setup, cfg, shapes, data, None)
+    batches = iter(system.loader())
+    chunk(system, batches, steps)
+    print(json.dumps({"system": name, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[128, 2048])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="steps per chunk (default: 8192 samples' worth, >= 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per system (default: 2 chunks)")
+    p.add_argument("--rows", type=int, default=300_000)
+    p.add_argument("--cardinality-scale", type=float, default=1.0)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adagrad"))
+    p.add_argument("--lr", type=float, default=None, help="default: 0.1 (sgd), 0.05 (adagrad)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recsys config overrides")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
+    p.add_argument("--record", action="store_true", help="append the results to BENCHMARKS.md")
+    p.add_argument("--only", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--only-steps", type=int, default=50, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 0.05)
+    common = ["--rows", str(args.rows), "--cardinality-scale", str(args.cardinality_scale),
+              "--optimizer", args.optimizer, "--lr", str(lr), *(["--set", *args.set] if args.set else [])]
+
+    def setup_for(batch: int) -> Setup:
+        return Setup(rows=args.rows, cardinality_scale=args.cardinality_scale, batch_size=batch,
+                     optimizer=args.optimizer, lr=lr, overrides=tuple(args.set))
+
+    if args.only:
+        run_only(setup_for(args.batch[0]), args.only, args.only_steps)
+        return
+    names = list(args.systems)
+    rows = []
+    for batch in args.batch:
+        steps = args.steps or max(2, 8192 // batch)
+        warmup = args.warmup if args.warmup is not None else 2 * steps
+        setup = setup_for(batch)
+        print(f"batch {batch}: {args.rounds} rounds of {steps} steps per system, {warmup} warm-up steps, "
+              f"optimizer {args.optimizer} lr {lr}, one compute thread", flush=True)
+        result = run_ab(setup, names, args.rounds, steps, max(warmup, 1))
+        summary = summarize(result, names)
+        for n, gap in result["loss_gap"].items():
+            print(f"  first {LOSS_STEPS} losses, max |{n} - recsys|: {gap:.2e}")
+        for key, value in summary.items():
+            if key.startswith("recsys/"):
+                print(f"  {key}: median {value[0]:.3f} (range {value[1]:.3f}-{value[2]:.3f})")
+        print("  median samples/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in summary["samples_per_second"].items()))
+        rss = {}
+        if not args.no_rss:
+            for n in names:
+                rss[n] = peak_rss(setup, n, max(steps, 20), common)
+                if rss[n] is not None:
+                    print(f"  peak RSS {n} alone: {rss[n] / 2**30:.2f} GiB", flush=True)
+        rows.append({"batch": batch, "summary": summary, "result": result, "rss": rss, "steps": steps})
+        del result
+    if args.record:
+        record(rows, names, args, lr)
+
+
+def record(rows: list[dict], names: list[str], args, lr: float) -> None:
+    from bench.record import record as append
+
+    command = ("make bench-peers ARGS=\"" + " ".join(
+        ["--batch", *map(str, args.batch), "--rounds", str(args.rounds), "--optimizer", args.optimizer,
+         *(["--rows", str(args.rows)] if args.rows != 300_000 else []),
+         *(["--cardinality-scale", str(args.cardinality_scale)] if args.cardinality_scale != 1.0 else []),
+         *(["--set", *args.set] if args.set else []), "--record"]) + "\"")
+    table = []
+    for r in rows:
+        s, res = r["summary"], r["result"]
+        row = {"batch": r["batch"], "optimizer": args.optimizer, "recsys options": " ".join(args.set) or "defaults",
+               "rounds x steps": f"{args.rounds} x {r['steps']}"}
+        for n in names:
+            row[f"{n} samples/s"] = s["samples_per_second"][n]
+        for n in names:
+            if n != "recsys" and f"recsys/{n}" in s:
+                med, lo, hi = s[f"recsys/{n}"]
+                row[f"recsys/{n} median (range)"] = f"{med:.3f} ({lo:.3f}-{hi:.3f})"
+        for n in names:
+            v = r["rss"].get(n)
+            row[f"{n} peak RSS GiB"] = None if v is None else v / 2**30
+        row["max loss gap"] = max((g for g in res["loss_gap"].values() if g is not None), default=None)
+        row["load avg"] = f"{min(res['load']):.1f}-{max(res['load']):.1f}"
+        table.append(row)
+    append("Peers: recsys vs FBGEMM TBE + TorchRec dense arch vs plain PyTorch (dlrm_kaggle, one compute thread)",
+           list(table[0]), table, command,
+           note=("Same process, same loader batches, same model, initial values and optimizer; chunks of steps "
+                 "alternate between the systems, round after round, each timed end to end through its loader "
+                 "(recsys plans lookups on its loader thread, the peers prepare their inputs on theirs). "
+                 "Ratios are recsys's samples/s over the peer's in the same round: median and range over the "
+                 "rounds. mlps is recsys's dense layers on fixed pooled embeddings (the ceiling). Peak RSS: each "
+                 "system alone in a fresh process. Goal (issue 18): recsys/tbe >= 1.25 at batch 128 and >= 1.15 "
+                 "at 2048, fp32. The machine is shared (load average column: 1-minute load during the run)."))
+
+
+if __name__ == "__main__":
+    main()

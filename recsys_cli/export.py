@@ -58,9 +58,6 @@ def export_program(loaded) -> torch.export.ExportedProgram:
     from torch.export import Dim
 
     model = loaded.model
-    for name in ("_tri_rows", "_tri_cols"):  # views of one tensor: give the archive whole tensors
-        if hasattr(model, name):
-            setattr(model, name, getattr(model, name).clone())
     module = ScoringModule(model).eval()
     for p in module.parameters():  # an inference program: no autograd graph on its outputs
         p.requires_grad_(False)

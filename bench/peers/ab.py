@@ -37,14 +37,14 @@ from bench.peers.systems import SYSTEMS, Recsys, Setup, build, dataset_dir, shap
 LOSS_STEPS = 20  # first steps whose losses are compared with recsys's
 
 
-def chunk(system, batches, steps: int) -> tuple[float, list[float]]:
-    """Seconds for `steps` steps, and their losses."""
+def chunk(system, batches, steps: int) -> tuple[float, float, list[float]]:
+    """Wall seconds and the compute thread's CPU seconds for `steps` steps, and their losses."""
     losses = []
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         losses.append(system.step(next(batches)).detach())
-    seconds = time.perf_counter() - start
-    return seconds, [float(x) for x in losses]
+    seconds, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    return seconds, cpu, [float(x) for x in losses]
 
 
 def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int) -> dict:
@@ -62,36 +62,40 @@ def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int)
         raise SystemExit(f"--rows {setup.rows} is too few for {needed} steps of batch {setup.batch_size}")
     first_losses = {}
     for n, s in systems.items():  # warm-up, and the loss check
-        _, losses = chunk(s, streams[n], warmup)
+        _, _, losses = chunk(s, streams[n], warmup)
         first_losses[n] = losses[:LOSS_STEPS]
-    per_round = []
+    per_round, per_round_cpu = [], []
     load = [os.getloadavg()[0]]
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
-        rates = {}
+        rates, cpu_rates = {}, {}
         for n in order:
-            seconds, _ = chunk(systems[n], streams[n], steps)
+            seconds, cpu, _ = chunk(systems[n], streams[n], steps)
             rates[n] = steps * setup.batch_size / seconds
+            cpu_rates[n] = steps * setup.batch_size / cpu
         per_round.append(rates)
+        per_round_cpu.append(cpu_rates)
         load.append(os.getloadavg()[0])
         print(f"  round {r + 1}: " + "  ".join(f"{n} {rates[n]:,.0f}/s" for n in names)
               + ("  " + "  ".join(f"recsys/{n} {rates['recsys'] / rates[n]:.3f}" for n in names if n != "recsys")
                  if "recsys" in names else ""), flush=True)
     loss_gap = {n: max((abs(a - b) for a, b in zip(first_losses[n], first_losses["recsys"])), default=None)
                 for n in names if n != "recsys" and n != "mlps" and "recsys" in names}
-    return {"per_round": per_round, "loss_gap": loss_gap, "first_losses": first_losses,
+    return {"per_round": per_round, "per_round_cpu": per_round_cpu, "loss_gap": loss_gap, "first_losses": first_losses,
             "load": load, "build_seconds": build_seconds}
 
 
 def summarize(result: dict, names: list[str]) -> dict:
-    rounds = result["per_round"]
-    out = {"samples_per_second": {n: statistics.median(r[n] for r in rounds) for n in names}}
-    if "recsys" in names:
-        for n in names:
-            if n == "recsys":
-                continue
-            ratios = [r["recsys"] / r[n] for r in rounds]
-            out[f"recsys/{n}"] = (statistics.median(ratios), min(ratios), max(ratios))
+    """Medians of samples/s and (median, min, max) of recsys's ratios over the
+    rounds, end to end (wall clock) and on the compute thread's CPU time."""
+    out = {}
+    for suffix, rounds in (("", result["per_round"]), (" cpu", result["per_round_cpu"])):
+        out["samples_per_second" + suffix] = {n: statistics.median(r[n] for r in rounds) for n in names}
+        if "recsys" in names:
+            for n in names:
+                if n != "recsys":
+                    ratios = [r["recsys"] / r[n] for r in rounds]
+                    out[f"recsys/{n}{suffix}"] = (statistics.median(ratios), min(ratios), max(ratios))
     return out
 
 
@@ -159,8 +163,11 @@ def main() -> None:
             print(f"  first {LOSS_STEPS} losses, max |{n} - recsys|: {gap:.2e}")
         for key, value in summary.items():
             if key.startswith("recsys/"):
-                print(f"  {key}: median {value[0]:.3f} (range {value[1]:.3f}-{value[2]:.3f})")
+                what = key.replace(" cpu", " on compute-thread CPU time")
+                print(f"  {what}: median {value[0]:.3f} (range {value[1]:.3f}-{value[2]:.3f})")
         print("  median samples/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in summary["samples_per_second"].items()))
+        print("  median samples per compute-thread CPU second: "
+              + ", ".join(f"{n} {v:,.0f}" for n, v in summary["samples_per_second cpu"].items()))
         rss = {}
         if not args.no_rss:
             for n in names:
@@ -192,6 +199,10 @@ def record(rows: list[dict], names: list[str], args, lr: float) -> None:
             if n != "recsys" and f"recsys/{n}" in s:
                 med, lo, hi = s[f"recsys/{n}"]
                 row[f"recsys/{n} median (range)"] = f"{med:.3f} ({lo:.3f}-{hi:.3f})"
+        for n in names:
+            if n != "recsys" and f"recsys/{n} cpu" in s:
+                med, lo, hi = s[f"recsys/{n} cpu"]
+                row[f"recsys/{n} on CPU time"] = f"{med:.3f} ({lo:.3f}-{hi:.3f})"
         for n in names:
             v = r["rss"].get(n)
             row[f"{n} peak RSS GiB"] = None if v is None else v / 2**30

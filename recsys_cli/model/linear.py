@@ -45,7 +45,9 @@ class _TransposedBackward(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = weight.t().mm(grad.t()).t()  # (W^T g^T)^T = g W
+            # (W^T g^T)^T = g W, made contiguous: the interaction's backward
+            # (index_add_, cat) takes a slow strided path on the transposed view.
+            grad_x = weight.t().mm(grad.t()).t().contiguous()
         if ctx.needs_input_grad[1]:
             grad_weight = x.t().mm(grad).t().contiguous()  # (x^T g)^T = g^T x, in the weight's layout
         if ctx.has_bias and ctx.needs_input_grad[2]:

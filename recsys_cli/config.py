@@ -43,6 +43,11 @@ class ModelConfig:
     init: str = "dlrm"
     # When set, the dataset's sparse features must be exactly these.
     features: Optional[list[str]] = None
+    # Speed options for the dense half (README, Speed): torch.compile of the
+    # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
+    # Both off by default: the default is the exact fp32 path.
+    compile: bool = False
+    mlp_precision: str = "fp32"  # fp32 | bf16
 
 
 @dataclass
@@ -159,6 +164,7 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.interaction": ("dot", "cat", "dcn"),
     "model.init": ("dlrm", "torch"),
+    "model.mlp_precision": ("fp32", "bf16"),
     "placement.kind": PLACEMENTS,
     "placement.policy": ("lru", "lfu"),
     "precision.kind": PRECISIONS,

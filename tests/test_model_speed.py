@@ -96,3 +96,73 @@ def test_dlrm_kaggle_dense_steps_equal_the_obvious_code(optimizer):
         assert torch.equal(p1.grad, p2.grad)
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_foreach_dense_optimizers_equal_the_loop(optimizer):
+    """The trainer's dense optimizers run foreach (one multi-tensor kernel per
+    update); the reference trainer's run torch's per-parameter loop."""
+    emb = SimpleNamespace(features=[f"C{i}" for i in range(4)], dim=8)
+    model = DLRM(13, emb, [32, 8], [32, 1], "dot", "dlrm", seed=1)
+    ref = copy.deepcopy(model)
+    if optimizer == "sgd":
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), torch.optim.SGD(ref.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05, foreach=True)
+        ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        dense, pooled = torch.randn(32, 13, generator=g), torch.randn(32, 4, 8, generator=g)
+        labels = (torch.rand(32, generator=g) < 0.3).float()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = F.binary_cross_entropy_with_logits(m.dense_forward(dense, pooled), labels)
+            o.zero_grad(set_to_none=True)
+            loss.backward()
+            o.step()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def _small(**kwargs) -> DLRM:
+    emb = SimpleNamespace(features=[f"C{i}" for i in range(4)], dim=8)
+    return DLRM(13, emb, [32, 8], [32, 1], "dot", "dlrm", seed=2, **kwargs)
+
+
+def _grads(model: DLRM, dense, pooled, labels):
+    pooled = pooled.clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    loss = F.binary_cross_entropy_with_logits(model.dense_forward(dense, pooled), labels)
+    loss.backward()
+    return loss.detach(), pooled.grad, [p.grad for p in model.parameters()]
+
+
+def test_bf16_mlps_stay_close_to_fp32_and_return_fp32_logits():
+    fp32, bf16 = _small(), _small(mlp_precision="bf16")
+    g = torch.Generator().manual_seed(0)
+    dense, pooled = torch.randn(64, 13, generator=g), torch.randn(64, 4, 8, generator=g)
+    labels = (torch.rand(64, generator=g) < 0.3).float()
+    assert bf16.dense_forward(dense, pooled).dtype == torch.float32
+    loss32, pooled32, grads32 = _grads(fp32, dense, pooled, labels)
+    loss16, pooled16, grads16 = _grads(bf16, dense, pooled, labels)
+    assert not torch.equal(loss32, loss16)  # the MLPs really ran in bf16
+    assert abs(loss32 - loss16) < 2e-2
+    assert torch.allclose(pooled16, pooled32, rtol=0.1, atol=1e-3)
+    assert all(b.dtype == torch.float32 for b in grads16)  # parameters stay fp32 (autocast)
+    with pytest.raises(ValueError, match="mlp_precision"):
+        _small(mlp_precision="fp8")
+
+
+def test_compiled_dense_step_matches_eager_closely():
+    eager, compiled = _small(), _small(compile=True)
+    g = torch.Generator().manual_seed(0)
+    dense, pooled = torch.randn(64, 13, generator=g), torch.randn(64, 4, 8, generator=g)
+    labels = (torch.rand(64, generator=g) < 0.3).float()
+    loss_e, pooled_e, grads_e = _grads(eager, dense, pooled, labels)
+    loss_c, pooled_c, grads_c = _grads(compiled, dense, pooled, labels)
+    assert compiled._compiled is not None  # the training step took the compiled path
+    assert torch.allclose(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(pooled_c, pooled_e, rtol=1e-4, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # evaluation stays eager
+        assert torch.equal(compiled.dense_forward(dense, pooled), eager.dense_forward(dense, pooled))

@@ -30,6 +30,7 @@ from recsys_cli.model.linear import Linear
 
 INTERACTIONS = ("dot", "cat", "dcn")
 INITS = ("dlrm", "torch")
+MLP_PRECISIONS = ("fp32", "bf16")
 
 
 def mlp(sizes: list[int], final_relu: bool) -> nn.Sequential:
@@ -80,12 +81,22 @@ class DLRM(nn.Module):
     def __init__(
         self, num_dense: int, embeddings: EmbeddingBagCollection, bottom_mlp: list[int], top_mlp: list[int],
         interaction: str = "dot", init: str = "dlrm", dcn_layers: int = 3, dcn_rank: int = 512, seed: int = 0,
+        compile: bool = False, mlp_precision: str = "fp32",
     ) -> None:
+        """compile: training steps run the dense half (MLPs, interaction)
+        through torch.compile; mlp_precision=bf16: the MLPs run under bf16
+        autocast (the interaction and the logits stay fp32). Both opt-in: the
+        default path is the exact fp32 one that the tests hold to."""
         super().__init__()
         if interaction not in INTERACTIONS:
             raise ValueError(f"unknown interaction {interaction!r}")
         if init not in INITS:
             raise ValueError(f"unknown init {init!r}")
+        if mlp_precision not in MLP_PRECISIONS:
+            raise ValueError(f"unknown mlp_precision {mlp_precision!r}")
+        self.mlp_precision = mlp_precision
+        self.compile_steps = compile
+        self._compiled = None  # made on the first training step
         self.embeddings = embeddings
         self.interaction = interaction
         num_sparse, dim = len(embeddings.features), embeddings.dim
@@ -121,8 +132,24 @@ class DLRM(nn.Module):
         return x if self.cross is None else self.cross(x)
 
     def dense_forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """Logits [B] from dense features and pooled embeddings [B, F, D]."""
-        return self.top(self.interact(self.bottom(dense), pooled)).squeeze(1)
+        """Logits [B] (fp32) from dense features and pooled embeddings [B, F, D]."""
+        if self.compile_steps and torch.is_grad_enabled():
+            # Training steps only: they have one batch shape, while
+            # evaluation's last batch would make the compiler start over.
+            if self._compiled is None:
+                self._compiled = torch.compile(self._dense_forward, dynamic=False)
+            return self._compiled(dense, pooled)
+        return self._dense_forward(dense, pooled)
+
+    def _dense_forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if self.mlp_precision == "fp32":
+            return self.top(self.interact(self.bottom(dense), pooled)).squeeze(1)
+        with torch.autocast(dense.device.type, dtype=torch.bfloat16):
+            bottom = self.bottom(dense)
+        x = self.interact(bottom.float(), pooled)
+        with torch.autocast(dense.device.type, dtype=torch.bfloat16):
+            logits = self.top(x)
+        return logits.squeeze(1).float()
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.dense_forward(batch.dense, self.embeddings(batch))

@@ -112,15 +112,19 @@ class Trainer:
         self.model = DLRM(
             len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
             cfg.model.interaction, cfg.model.init, cfg.model.dcn_layers, cfg.model.dcn_rank, seed=tc.seed,
+            compile=cfg.model.compile, mlp_precision=cfg.model.mlp_precision,
         ).to(self.device)
         self.embeddings = embeddings
         self.row_optimizer = row_optimizer
         strategies.check(cfg, embeddings)
+        # foreach: one multi-tensor kernel per update instead of a Python loop
+        # over the parameters (CPU defaults to the loop); the same arithmetic.
         if opt.name == "sgd":
-            self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr)
+            self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, foreach=True)
         else:
             self.dense_optimizer = torch.optim.Adagrad(
-                self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator
+                self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator,
+                foreach=True,
             )
 
         # Plans are made on the loader thread; on CUDA the batch and its plans are also pinned there.

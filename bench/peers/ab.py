@@ -118,7 +118,20 @@ def run_only(setup: Setup, name: str, steps: int) -> None:
     system = build(name, setup, cfg, shapes, data, None)
     batches = iter(system.loader())
     chunk(system, batches, steps)
-    print(json.dumps({"system": name, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"system": name, "peak_rss_bytes": peak_rss_self()}))
+
+
+def peak_rss_self() -> int:
+    """This process's peak RSS: VmHWM, which belongs to the process image.
+    (getrusage's ru_maxrss survives exec on Linux, so a child started by a
+    large parent would report the parent's peak.)"""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:

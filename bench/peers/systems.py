@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,14 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 
 SYSTEMS = ("recsys", "tbe", "plain", "mlps")
-INPUTS = "peer_inputs"  # Batch.extras key of a peer's loader-thread inputs
+
+
+@dataclass
+class PeerBatch:
+    """A loader batch with a peer's inputs, prepared on the loader thread."""
+
+    batch: Batch
+    inputs: Any
 
 
 @dataclass
@@ -114,7 +122,7 @@ class System:
     def __init__(self, setup: Setup, shapes: Shapes, data: Path) -> None:
         self.setup, self.shapes, self.data = setup, shapes, data
 
-    def transform(self, batch: Batch) -> Batch:
+    def transform(self, batch: Batch):
         """Input preparation on the loader thread."""
         return batch
 
@@ -228,13 +236,12 @@ class TBE(System):
             reorder_top_input(linears(self.over)[0], order)
         self.optimizer = dense_optimizer(setup, [*self.dense_arch.parameters(), *self.over.parameters()])
 
-    def transform(self, batch: Batch) -> Batch:
+    def transform(self, batch: Batch) -> PeerBatch:
         kjt = batch.sparse
-        batch.extras[INPUTS] = (kjt.values, kjt.offsets())  # TBE's input: one offsets list over every table's bags
-        return batch
+        return PeerBatch(batch, (kjt.values, kjt.offsets()))  # TBE's input: one offsets list over every table's bags
 
-    def step(self, batch: Batch) -> torch.Tensor:
-        indices, offsets = batch.extras[INPUTS]
+    def step(self, peer: PeerBatch) -> torch.Tensor:
+        (indices, offsets), batch = peer.inputs, peer.batch
         pooled = self.tbe(indices, offsets).view(batch.size, self.num_features, self.dim)
         dense = self.dense_arch(batch.dense)
         logits = self.over(self.interaction(dense, pooled)).squeeze(1)
@@ -294,7 +301,7 @@ class Plain(System):
         else:
             self.sparse_optimizer = torch.optim.SGD([t.weight for t in self.model.tables], lr=setup.lr)
 
-    def transform(self, batch: Batch) -> Batch:
+    def transform(self, batch: Batch) -> PeerBatch:
         kjt = batch.sparse
         offsets = kjt.offsets()
         per_table = []
@@ -302,11 +309,10 @@ class Plain(System):
             lo, hi = f * kjt.stride, (f + 1) * kjt.stride
             start = offsets[lo]
             per_table.append((kjt.values[start : offsets[hi]], offsets[lo:hi] - start))
-        batch.extras[INPUTS] = per_table
-        return batch
+        return PeerBatch(batch, per_table)
 
-    def step(self, batch: Batch) -> torch.Tensor:
-        loss = bce(self.model(batch.dense, batch.extras[INPUTS]), batch.labels)
+    def step(self, peer: PeerBatch) -> torch.Tensor:
+        loss = bce(self.model(peer.batch.dense, peer.inputs), peer.batch.labels)
         self.optimizer.zero_grad(set_to_none=True)
         for t in self.model.tables:
             t.weight.grad = None

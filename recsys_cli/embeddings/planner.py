@@ -59,6 +59,7 @@ import numpy as np
 from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT as SLOT_INDEX_BYTES_PER_SLOT
 from recsys_cli.embeddings.tables import TableSpec
 from recsys_cli.errors import UserError
+from recsys_cli.units import format_bytes
 
 BUDGET_KEY = "placement.device_memory_budget"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -100,20 +101,6 @@ def parse_bytes(text: str | int, key: str = BUDGET_KEY) -> int:
             "(500MB, 64MiB, 2GiB; KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)"
         )
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: float | None) -> str:
-    """646 MiB, 12.5 KiB, 100 B."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:,.1f} {unit}" if abs(n) < 100 else f"{n:,.0f} {unit}"
-        n /= 1024
-    return str(n)  # unreachable
 
 
 def format_count(n: int) -> str:

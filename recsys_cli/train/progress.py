@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from recsys_cli.units import format_bytes
+
 
 class TrainProgress:
     def __init__(self, total: int, done: int, enabled: bool = True, console: Console | None = None) -> None:
@@ -27,16 +29,6 @@ class TrainProgress:
 
     def update(self, step: int, loss: float, rate: float) -> None:
         self.progress.update(self.task, completed=step, loss=loss, rate=rate)
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def summary_table(summary: dict) -> Table:
@@ -62,23 +54,23 @@ def summary_table(summary: dict) -> Table:
     for phase, seconds in summary["phase_seconds"].items():
         add(f"seconds: {phase}", f"{seconds:.2f}")
     mem = summary["embedding_bytes"]
-    add("embedding bytes: device / host", f"{_bytes(mem['device'])} / {_bytes(mem['host'])}")
+    add("embedding bytes: device / host", f"{format_bytes(mem['device'])} / {format_bytes(mem['host'])}")
     allocated = summary.get("embedding_bytes_allocated")
     if allocated is not None:  # CUDA: what the allocators hold, beside the tensor sizes above
-        add("  allocated: device / pinned host", f"{_bytes(allocated['device'])} / {_bytes(allocated['pinned_host'])}")
-    add("  of which tables / cache / cache index", f"{_bytes(mem['table'])} / {_bytes(mem['cache'])} / {_bytes(mem['index'])}")
+        add("  allocated: device / pinned host", f"{format_bytes(allocated['device'])} / {format_bytes(allocated['pinned_host'])}")
+    add("  of which tables / cache / cache index", f"{format_bytes(mem['table'])} / {format_bytes(mem['cache'])} / {format_bytes(mem['index'])}")
     plan = summary.get("placement_plan")
     if plan:
-        add("device budget (auto placement)", f"{_bytes(mem['device'])} used of {_bytes(plan['budget_bytes'])}")
-    add("peak host RSS", _bytes(summary["peak_host_rss_bytes"]))
+        add("device budget (auto placement)", f"{format_bytes(mem['device'])} used of {format_bytes(plan['budget_bytes'])}")
+    add("peak host RSS", format_bytes(summary["peak_host_rss_bytes"]))
     if summary.get("peak_device_bytes") is not None:
-        add("peak device memory / pinned host", f"{_bytes(summary['peak_device_bytes'])} / "
-                                                f"{_bytes(summary.get('peak_pinned_host_bytes'))}")
+        add("peak device memory / pinned host", f"{format_bytes(summary['peak_device_bytes'])} / "
+                                                f"{format_bytes(summary.get('peak_pinned_host_bytes'))}")
     cache = summary.get("cache") or {}
     if "hits" in cache:
         add("cache hit rate", f"{cache['hit_rate']:.3f}" if cache.get("hit_rate") is not None else "-")
         add("cache rows loaded / evicted", f"{cache['rows_loaded']:,} / {cache['rows_evicted']:,}")
-        add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
+        add("bytes host->device / device->host", f"{format_bytes(cache['bytes_to_device'])} / {format_bytes(cache['bytes_to_host'])}")
         add("cache fill seconds", f"{cache['prepare_seconds']:.2f}")
         if "window_used_mean" in cache:
             add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
@@ -92,7 +84,7 @@ def summary_table(summary: dict) -> Table:
             add("disk I/O seconds / trainer waited on disk",
                 f"{cache['disk_io_seconds']:.2f} / {cache['disk_wait_seconds']:.2f}")
     elif "bytes_to_device" in cache:
-        add("bytes host->device / device->host", f"{_bytes(cache['bytes_to_device'])} / {_bytes(cache['bytes_to_host'])}")
+        add("bytes host->device / device->host", f"{format_bytes(cache['bytes_to_device'])} / {format_bytes(cache['bytes_to_host'])}")
     dup = summary["duplication"]
     add("duplicated ids in batches (RecD)", f"{dup['duplicated_ids']:.3f}")
     if summary["dedup"]:

@@ -1,0 +1,94 @@
+"""The report's tables: the rich tables `recsys report` prints and report.csv."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+from recsys_cli.report.runs import atomic_write
+from recsys_cli.units import format_bytes
+
+PHASE_SHORT = {"data_wait": "wait", "embedding_forward": "emb fwd", "mlp_forward": "mlp fwd", "backward": "bwd",
+               "sparse_update": "sparse upd", "dense_update": "dense upd", "eval": "eval"}
+CSV_NAME = "report.csv"
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """report.csv, written to a temporary file and renamed; empty cells for missing values."""
+    buffer = io.StringIO()
+    columns = list(rows[0]) if rows else ["run"]
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    atomic_write(path, buffer.getvalue().encode())
+
+
+# --- console tables ------------------------------------------------------------------------
+def _fmt(value, spec: str = ",.0f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return format(value, spec)
+
+
+def _packed_tables(title: str, headers: list[str], cells: list[list[str]], width: int | None,
+                   caption: str | None = None) -> list:
+    """Tables of `cells` (first column: the run), split by columns into as many
+    tables as it takes to fit `width` characters without folding words."""
+    from rich.table import Table
+
+    cap = 32 if width is None else max(24, width // 3)  # longer labels fold onto more lines
+    label_width = min(max([len(c[0]) for c in cells] + [len(headers[0])]), cap)
+    need = [max([len(c[i]) for c in cells] + [len(headers[i])]) for i in range(len(headers))]
+    chunks: list[list[int]] = [[]]
+    used = label_width + 4
+    for i in range(1, len(headers)):
+        if width is not None and chunks[-1] and used + need[i] + 3 > width:
+            chunks.append([])
+            used = label_width + 4
+        chunks[-1].append(i)
+        used += need[i] + 3
+    tables = []
+    for n, chunk in enumerate(chunks):
+        part = f" ({n + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+        table = Table(title=title + part, header_style="bold")
+        table.add_column(headers[0], width=label_width, overflow="fold")
+        for i in chunk:
+            table.add_column(headers[i], justify="left" if i == 1 and headers[i] == "placement" else "right",
+                             width=need[i], no_wrap=True)
+        for row in cells:
+            table.add_row(row[0], *(row[i] for i in chunk))
+        tables.append(table)
+    if caption:
+        tables[-1].caption = caption
+    return tables
+
+
+def console_tables(rows: list[dict], root: Path, width: int | None = None) -> list:
+    """The rich tables `recsys report` prints: metrics per run, seconds per phase;
+    each split by columns to fit `width` (no limit when None)."""
+    cells = [
+        [r["run"], f"{r['placement']}/{r['precision']}", _fmt(r["val_auc"], ".4f"), _fmt(r["val_logloss"], ".4f"),
+         _fmt(r["samples_per_second"]), format_bytes(r["device_bytes"]), format_bytes(r["host_bytes"]),
+         _fmt(r["cache_hit_rate"], ".3f"), _fmt(r["dedup_ratio"], ".3f")]
+        for r in rows
+    ]
+    headers = ["run", "placement", "val AUC", "val logloss", "samples/s", "device", "host", "hit rate", "dedup"]
+    title = f"recsys report: {root} ({len(rows)} run{'s' if len(rows) != 1 else ''})"
+    caption = ("device / host: embedding bytes per tier; hit rate: cache hits per unique row looked up; "
+               "dedup: share of a batch's ids that repeat one already in the batch")
+    tables = _packed_tables(title, headers, cells, width, caption)
+    phases = [k[len("seconds_"):] for k in (rows[0] if rows else {}) if k.startswith("seconds_")]
+    cells = []
+    for r in rows:
+        values = [r[f"seconds_{p}"] for p in phases]
+        total = sum(v for v in values if v is not None)
+        cells.append([r["run"], _fmt(r["steps"]), *(_fmt(v, ".2f") for v in values), f"{total:.2f}"])
+    headers = ["run", "steps", *(PHASE_SHORT.get(p, p.replace("_", " ")) for p in phases), "total"]
+    tables += _packed_tables("seconds per phase (whole run)", headers, cells, width)
+    return tables
+

@@ -62,32 +62,33 @@ def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
     return out
 
 
-def plot(result: dict, directory: Path) -> list[Path]:
+def _against_diagonal(path: Path, xs, ys, label: str, legend: str, xlabel: str, ylabel: str, title: str,
+                      **style) -> Path:
+    """One curve on the unit square beside the diagonal (chance for ROC,
+    perfect calibration for the calibration curve), saved as a PNG."""
     from matplotlib.figure import Figure
 
-    written = []
     fig = Figure(figsize=(5, 5))
     ax = fig.add_subplot()
-    ax.plot(result["roc"]["fpr"], result["roc"]["tpr"], label=f"AUC {result['auc']:.4f}")
+    ax.plot(xs, ys, label=label, **style)
     ax.plot([0, 1], [0, 1], linestyle=":", color="grey")
-    ax.set(xlabel="false positive rate", ylabel="true positive rate", xlim=(0, 1), ylim=(0, 1),
-           title=f"ROC: {result['split']} ({result['samples']:,} rows)")
-    ax.legend(loc="lower right")
-    written.append(directory / "roc.png")
-    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    ax.set(xlabel=xlabel, ylabel=ylabel, xlim=(0, 1), ylim=(0, 1), title=title)
+    ax.legend(loc=legend)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
 
-    fig = Figure(figsize=(5, 5))
-    ax = fig.add_subplot()
+
+def plot(result: dict, directory: Path) -> list[Path]:
     full = [b for b in result["calibration_bins"] if b["rows"]]
-    ax.plot([b["predicted"] for b in full], [b["observed"] for b in full], marker="o",
-            label=f"calibration {result['calibration']:.3f}")
-    ax.plot([0, 1], [0, 1], linestyle=":", color="grey")
-    ax.set(xlabel="mean predicted click rate (bin)", ylabel="observed click rate", xlim=(0, 1), ylim=(0, 1),
-           title=f"calibration: {result['split']}, NE {result['normalized_entropy']:.4f}")
-    ax.legend(loc="upper left")
-    written.append(directory / "calibration.png")
-    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
-    return written
+    return [
+        _against_diagonal(directory / "roc.png", result["roc"]["fpr"], result["roc"]["tpr"],
+                          f"AUC {result['auc']:.4f}", "lower right", "false positive rate", "true positive rate",
+                          f"ROC: {result['split']} ({result['samples']:,} rows)"),
+        _against_diagonal(directory / "calibration.png", [b["predicted"] for b in full], [b["observed"] for b in full],
+                          f"calibration {result['calibration']:.3f}", "upper left",
+                          "mean predicted click rate (bin)", "observed click rate",
+                          f"calibration: {result['split']}, NE {result['normalized_entropy']:.4f}", marker="o"),
+    ]
 
 
 def evaluate(cfg: EvaluateConfig, console=None) -> dict:

@@ -14,6 +14,18 @@ import re
 def one_line(e: BaseException, unknown_key=None) -> str:
     """The reason of a composition error `e`; `unknown_key(key)` words the
     message for a key that is not in the schema."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    # A bad key or value in a config file: Hydra says only "In 'group/file':
+    # ConfigKeyError raised while composing config" and keeps the real error
+    # as the exception's context.
+    in_file = re.match(r"In '([^']+)': \w+ raised while composing config", str(e))
+    if in_file and isinstance(e.__context__, OmegaConfBaseException):
+        return f"{_reason(e.__context__, unknown_key)} (in {in_file.group(1)}.yaml)"
+    return _reason(e, unknown_key)
+
+
+def _reason(e: BaseException, unknown_key) -> str:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     cause = e
@@ -29,6 +41,9 @@ def one_line(e: BaseException, unknown_key=None) -> str:
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None)
         msg = str(cause).splitlines()[0]
+        choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]$", msg)
+        if key and choice:  # an Enum field of the schema (config.py): the words validate() uses
+            return f"{key}={choice.group(1)!r} is not one of {choice.group(2)}"
         return f"bad value for '{key}': {msg}" if key else msg
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:

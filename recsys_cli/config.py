@@ -3,19 +3,107 @@
 Each config group (dataset, model, placement, precision, dedup, trainer,
 optimizer) has one dataclass here; the YAML files only choose values. A key
 that is not a field, or a value of the wrong type, fails at start-up with the
-key's full name. Values with a closed set of choices are checked in
-`validate`, which the trainer calls before it does any work.
+key's full name. Closed choices are Enums (as TorchRec's PoolingType), so
+OmegaConf itself rejects a value that is not one of them, naming the key and
+the choices; the members are strings (`PlacementKind.device == "device"`),
+so code, YAML files and overrides keep using the plain words. `validate`,
+which the trainer calls before it does any work, checks what a type cannot
+express (ranges, combinations) and the choices again for configs built
+without the schema.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
 from data_tools.synthetic import SyntheticConfig
 from recsys_cli.errors import UserError
+
+
+class Choice(str, Enum):
+    """A closed choice whose members are their own names as strings: equal to,
+    hashed, formatted and repr'd as the plain word, so messages and files
+    (summary.json, checkpoints) read as before."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+
+
+class Interaction(Choice):
+    dot = "dot"
+    cat = "cat"
+    dcn = "dcn"  # DCNv2 low-rank cross layers
+
+
+class MLPInit(Choice):
+    dlrm = "dlrm"  # the reference dlrm_s_pytorch's normal draws
+    torch = "torch"  # nn.Linear's default
+
+
+class MLPPrecision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast of the MLPs (README, Speed)
+
+
+class PlacementKind(Choice):
+    device = "device"
+    gpu = "gpu"  # old name of device
+    host = "host"
+    uvm = "uvm"  # old name of host
+    lookahead = "lookahead"
+    cache = "cache"
+    disk = "disk"  # host cache in front of rows on disk
+    auto = "auto"  # last: a table's own placement (placement.overrides) cannot be auto
+
+
+class CachePolicy(Choice):
+    lru = "lru"
+    lfu = "lfu"
+
+
+class PrecisionKind(Choice):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+    int4 = "int4"
+
+
+class Rounding(Choice):
+    stochastic = "stochastic"
+    nearest = "nearest"
+
+
+class OptimizerName(Choice):
+    sgd = "sgd"
+    adagrad = "adagrad"
+
+
+class ScheduleKind(Choice):
+    constant = "constant"
+    warmup_poly = "warmup_poly"
+
+
+class DeviceChoice(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class EmbeddingSyncMode(Choice):
+    grad = "grad"
+    cache_avg = "cache_avg"
+
+
+class LoggerKind(Choice):
+    jsonl = "jsonl"
+    tensorboard = "tensorboard"
 
 
 @dataclass
@@ -36,29 +124,28 @@ class ModelConfig:
     # features and its output must equal embedding_dim for the dot interaction.
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
-    interaction: str = "dot"  # dot | cat | dcn (DCNv2 low-rank cross layers)
+    interaction: Interaction = Interaction.dot
     dcn_layers: int = 3  # dcn: cross layers
     dcn_rank: int = 512  # dcn: rank of each cross layer's weight
     # MLP initialisation: dlrm (the reference dlrm_s_pytorch's normal draws) | torch (nn.Linear's default).
-    init: str = "dlrm"
+    init: MLPInit = MLPInit.dlrm
     # When set, the dataset's sparse features must be exactly these.
     features: Optional[list[str]] = None
     # Speed options for the dense half (README, Speed): torch.compile of the
     # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
     # Both off by default: the default is the exact fp32 path.
     compile: bool = False
-    mlp_precision: str = "fp32"  # fp32 | bf16
+    mlp_precision: MLPPrecision = MLPPrecision.fp32
 
 
 @dataclass
 class PlacementConfig:
-    # device (alias gpu) | host (alias uvm) | lookahead | cache | disk | auto
-    kind: str = "device"
+    kind: PlacementKind = PlacementKind.device
     # Cache size in rows for lookahead/cache; when unset, cache_ratio of all rows.
     cache_rows: Optional[int] = None
     cache_ratio: float = 0.05
     window: int = 4  # lookahead: batches prefetched ahead of the trainer
-    policy: str = "lru"  # victim policy: lru | lfu
+    policy: CachePolicy = CachePolicy.lru  # victim policy
     # Per-table placement: {table name: placement}, applied after the size rule.
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
@@ -77,12 +164,12 @@ class PlacementConfig:
 
 @dataclass
 class PrecisionConfig:
-    kind: str = "fp32"  # fp32 | fp16 | int8 | int4
-    rounding: str = "stochastic"  # stochastic | nearest
+    kind: PrecisionKind = PrecisionKind.fp32
+    rounding: Rounding = Rounding.stochastic
     # fp32 cache in front of a low-precision table; unset: the paper's defaults
     # (0.05 for int8, 0.01 for int4, 0.05 for fp16).
     cache_ratio: Optional[float] = None
-    policy: str = "lru"
+    policy: CachePolicy = CachePolicy.lru
 
 
 @dataclass
@@ -98,7 +185,7 @@ class DedupConfig:
 class OptimizerConfig:
     # sgd: SGD for dense and rows; adagrad: Adagrad for dense parameters and
     # row-wise Adagrad (one accumulator per row) for embedding rows.
-    name: str = "sgd"
+    name: OptimizerName = OptimizerName.sgd
     lr: float = 0.1
     eps: float = 1e-8
     initial_accumulator: float = 0.0
@@ -107,7 +194,7 @@ class OptimizerConfig:
     # decay_start_step (unset: the end of warmup) a polynomial decay of power
     # decay_power over decay_steps (unset: to the last step of the run), never
     # below min_lr, held at its last value afterwards.
-    schedule: str = "constant"
+    schedule: ScheduleKind = ScheduleKind.constant
     warmup_steps: int = 0
     decay_start_step: Optional[int] = None
     decay_steps: Optional[int] = None
@@ -133,10 +220,10 @@ class TrainerConfig:
     # file or directory) on a dataset with the same vocabulary, e.g. the next
     # day; unlike resume, the step count, data position and RNGs start afresh.
     init_from: Optional[str] = None
-    device: str = "auto"  # auto | cpu | cuda
+    device: DeviceChoice = DeviceChoice.auto
     seed: int = 0
     nproc: int = 1
-    embedding_sync: str = "grad"  # grad | cache_avg
+    embedding_sync: EmbeddingSyncMode = EmbeddingSyncMode.grad
     sync_every: int = 1
     # Seconds a collective may wait for its peers before the run fails
     # (multi-process runs: a rank that hangs cannot hang the others forever).
@@ -145,7 +232,7 @@ class TrainerConfig:
     loader_queue_depth: int = 8
     # metrics.jsonl is always written; tensorboard also writes the same scalars
     # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
-    logger: str = "jsonl"  # jsonl | tensorboard
+    logger: LoggerKind = LoggerKind.jsonl
 
 
 @dataclass
@@ -159,22 +246,22 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-PLACEMENTS = ("device", "gpu", "host", "uvm", "lookahead", "cache", "disk", "auto")  # gpu, uvm: old names
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.interaction": ("dot", "cat", "dcn"),
-    "model.init": ("dlrm", "torch"),
-    "model.mlp_precision": ("fp32", "bf16"),
-    "placement.kind": PLACEMENTS,
-    "placement.policy": ("lru", "lfu"),
-    "precision.kind": PRECISIONS,
-    "precision.rounding": ("stochastic", "nearest"),
-    "precision.policy": ("lru", "lfu"),
-    "optimizer.name": ("sgd", "adagrad"),
-    "optimizer.schedule": ("constant", "warmup_poly"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "trainer.embedding_sync": ("grad", "cache_avg"),
-    "trainer.logger": ("jsonl", "tensorboard"),
+PLACEMENTS = tuple(k.value for k in PlacementKind)  # gpu, uvm: old names
+PRECISIONS = tuple(k.value for k in PrecisionKind)
+CHOICES: dict[str, type[Choice]] = {
+    "model.interaction": Interaction,
+    "model.init": MLPInit,
+    "model.mlp_precision": MLPPrecision,
+    "placement.kind": PlacementKind,
+    "placement.policy": CachePolicy,
+    "precision.kind": PrecisionKind,
+    "precision.rounding": Rounding,
+    "precision.policy": CachePolicy,
+    "optimizer.name": OptimizerName,
+    "optimizer.schedule": ScheduleKind,
+    "trainer.device": DeviceChoice,
+    "trainer.embedding_sync": EmbeddingSyncMode,
+    "trainer.logger": LoggerKind,
 }
 
 
@@ -186,8 +273,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 def validate(cfg: Any) -> None:
     """Check the values a type cannot express; raise UserError naming the key."""
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
+    for key, choice in CHOICES.items():  # the schema checks these; a config built without it is checked here
+        value, allowed = _get(cfg, key), [c.value for c in choice]
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     for name, kind in cfg.placement.overrides.items():

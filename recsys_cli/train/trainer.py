@@ -418,7 +418,7 @@ class Trainer:
             "table_tiers": {t.name: g.store_tier for g in self.embeddings.groups for t in g.tables},
             "metrics": list(self.log.lines),  # metrics.jsonl up to here: a resumed run rewinds it
             "running_loss": (self.running_loss.cpu(), self.running_steps),  # the next log line's mean
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),  # plain words, no Enum classes
         }
 
     def save(self) -> Path | None:

@@ -1,0 +1,185 @@
+"""Tests of the configs themselves (as lightning-hydra-template's test_configs):
+every YAML file under configs/ composes against the structured schema
+(recsys_cli/config.py), passes `validate`, and trains a Trainer for one step
+where it can (on small synthetic data); the `recsys train` commands of the
+README compose exactly as written; a typo or a bad choice in a YAML file
+fails at composition, naming the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recsys_cli.config import CHOICES, TrainConfig, register_configs, validate
+from recsys_cli.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def defaults_groups() -> set[str]:
+    """Groups in train.yaml's defaults list (chosen with group=option); the
+    others (placement, precision, dedup) are appended with +group=option."""
+    defaults = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
+    return {next(iter(d)) for d in defaults if isinstance(d, dict)}
+
+
+def group_options() -> list[tuple[str, str]]:
+    return sorted((p.parent.name, p.stem) for p in CONFIGS.glob("*/*.yaml"))
+
+
+def option_override(group: str, option: str) -> str:
+    return f"{group}={option}" if group in defaults_groups() else f"+{group}={option}"
+
+
+def flatten(node: dict, prefix: str) -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = value
+    return out
+
+
+def compose_train(overrides: list[str], config_dir: Path = CONFIGS):
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_every_yaml_file_is_tested():
+    """The tests below are parametrized by the files on disk: none is missed,
+    and the groups are the schema's."""
+    schema = OmegaConf.structured(TrainConfig)
+    assert {g for g, _ in group_options()} <= set(schema.keys())
+    assert len(group_options()) == len(list(CONFIGS.rglob("*.yaml"))) - 1  # train.yaml is the root
+
+
+@pytest.mark.parametrize("group, option", group_options())
+def test_each_yaml_composes_against_the_schema_and_validates(group, option):
+    cfg = compose_train([option_override(group, option)])
+    assert OmegaConf.get_type(cfg) is TrainConfig  # composed onto the schema, not a free dict
+    expected = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text()) or {}
+    for key, value in flatten(expected, group).items():  # every key of the file landed, with its value
+        got = OmegaConf.select(cfg, key)
+        assert (OmegaConf.to_container(got) if OmegaConf.is_config(got) else got) == value, (option, key)
+    if group == "dataset" and option == "criteo_kaggle":  # needs dataset.path=DIR: nothing more to check here
+        return
+    validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """Overrides for small synthetic data in a cache of this module's own."""
+    cache = tmp_path_factory.mktemp("configs-cache")
+    return [f"dataset.cache_dir={cache}", "dataset.synthetic.rows=2000", "dataset.synthetic.split_ratios=[0.9,0.05,0.05]",
+            "dataset.synthetic.cardinality_scale=0.0005", "trainer.batch_size=4",
+            "trainer.eval_batch_size=1024", "trainer.max_steps=1", "trainer.progress=false", "trainer.device=cpu"]
+
+
+@pytest.mark.parametrize("group, option", group_options())
+def test_each_yaml_trains_one_step(group, option, small_data):
+    from recsys_cli.train.trainer import Trainer
+
+    if (group, option) == ("dataset", "criteo_kaggle"):  # a `recsys preprocess` directory is the user's to give
+        with pytest.raises(UserError, match="dataset.path=DIR"):
+            Trainer(compose_train([option_override(group, option), *small_data]))
+        return
+    cfg = compose_train([option_override(group, option), *small_data])
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
+    assert trainer.step == 1 and summary["steps"] == 1
+    assert 0 <= summary["final"]["val"]["auc"] <= 1
+    if group in ("placement", "precision"):  # the file's choice is what ran
+        assert summary[group] == cfg[group].kind
+
+
+# --- the README's commands -----------------------------------------------------------------
+def readme_train_commands() -> list[str]:
+    """Every `recsys train ...` line of the README's code blocks, continuation
+    lines joined, comments cut."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line.startswith("recsys train"):
+                commands.append(line)
+    return commands
+
+
+def expand_sweeps(args: list[str]) -> list[list[str]]:
+    """`-m key=a,b` as one override list per combination (compose takes no sweeps)."""
+    args = [a for a in args if a not in ("-m", "--multirun")]
+    choices = []
+    for a in args:
+        key, _, value = a.partition("=")
+        swept = "," in value and not value.startswith(("[", "{", "'", '"'))
+        choices.append([f"{key}={v}" for v in value.split(",")] if swept else [a])
+    return [list(c) for c in itertools.product(*choices)]
+
+
+def test_readme_lists_train_commands():
+    commands = readme_train_commands()
+    assert len(commands) >= 10 and any("+placement=lookahead" in c for c in commands)
+
+
+@pytest.mark.parametrize("command", readme_train_commands())
+def test_readme_train_commands_compose_as_written(command, tmp_path):
+    args = [a for a in shlex.split(command)[2:] if not a.startswith("hydra.")]
+    args = [a.replace("=DIR", f"={tmp_path}") for a in args]
+    for overrides in expand_sweeps(args):
+        cfg = compose_train(overrides)
+        validate(cfg)
+        for o in overrides:
+            group, _, option = o.lstrip("+").partition("=")
+            if group in ("placement", "precision"):  # the file chosen is the file applied
+                expected = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text())["kind"]
+                assert cfg[group].kind == expected
+
+
+# --- bad files fail at composition -----------------------------------------------------------
+@pytest.fixture
+def config_copy(tmp_path) -> Path:
+    copy = tmp_path / "configs"
+    shutil.copytree(CONFIGS, copy)
+    return copy
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kind: lookahead\npolcy: lru\n", "placement.polcy"),
+    ("kind: lookahed\n", "placement.kind='lookahed' is not one of device, gpu, host, uvm, lookahead, cache, auto"),
+    ("kind: cache\nwindow: four\n", "placement.window"),
+])
+def test_a_typo_in_a_yaml_file_fails_at_composition_naming_the_key(config_copy, text, message):
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.compose_errors import one_line
+
+    (config_copy / "placement" / "mine.yaml").write_text(text)
+    with pytest.raises((HydraException, OmegaConfBaseException)) as e:
+        compose_train(["+placement=mine"], config_copy)
+    line = one_line(e.value)
+    assert message in line and "\n" not in line
+
+
+def test_every_closed_choice_is_an_enum_of_the_schema():
+    """OmegaConf checks these fields itself; validate() lists the same words."""
+    schema = OmegaConf.structured(TrainConfig)
+    for key, choice in CHOICES.items():
+        group, field = key.split(".")
+        value = schema[group][field]
+        assert isinstance(value, choice) and value == value.value  # a member that is its own word
+        with pytest.raises(Exception, match="expected one of"):
+            schema[group][field] = "no-such-choice"

@@ -141,18 +141,21 @@ def reference(cache_dir):
     return single(config(cache_dir))
 
 
+@pytest.mark.slow  # several processes
 @pytest.mark.parametrize("placement", ["device", "lookahead"])
 def test_grad_sync_equals_one_process_with_the_global_batch(runs, reference, placement):
     assert len(runs[placement]["losses"]) == STEPS
     assert_same(runs[placement], reference)
 
 
+@pytest.mark.slow  # several processes
 def test_dcn_and_lr_schedule_follow_one_process_with_the_global_batch(runs, cache_dir):
     ref = single(config(cache_dir, **DCN_SCHEDULE))
     assert_same(runs["dcn_schedule"], ref)
     assert runs["dcn_schedule"]["losses"] != runs["lookahead"]["losses"]
 
 
+@pytest.mark.slow  # several processes
 @pytest.mark.parametrize("name", ["device", "lookahead", "lookahead_int8"])
 def test_ranks_hold_identical_replicas(runs, name):
     """grad sync: every rank applies the same updates to its own table copy and
@@ -164,6 +167,7 @@ def test_ranks_hold_identical_replicas(runs, name):
             assert torch.equal(other[name]["weights"][key], value), key
 
 
+@pytest.mark.slow  # several processes
 def test_evaluation_covers_the_whole_split(runs, reference):
     for got, ref in zip(runs["device"]["evals"], reference["evals"]):
         assert got["split"] == ref["split"] and got["samples"] == ref["samples"] == 2000
@@ -171,11 +175,13 @@ def test_evaluation_covers_the_whole_split(runs, reference):
         assert got["logloss"] == pytest.approx(ref["logloss"], rel=1e-4)
 
 
+@pytest.mark.slow  # several processes
 def test_cache_avg_every_step_equals_grad_sync_under_sgd(runs):
     assert runs["cache_avg_1"]["distributed"]["syncs"] >= STEPS
     assert_same(runs["cache_avg_1"], runs["lookahead"])
 
 
+@pytest.mark.slow  # several processes
 def test_cache_avg_every_10_steps_drifts_a_little(runs):
     got, ref = runs["cache_avg_10"], runs["lookahead"]
     report = got["distributed"]
@@ -188,6 +194,7 @@ def test_cache_avg_every_10_steps_drifts_a_little(runs):
     assert STEPS // 10 <= report["syncs"]
 
 
+@pytest.mark.slow  # several processes
 def test_resume_with_another_number_of_processes(runs, cache_dir, reference):
     """Half the steps on 2 processes, the rest on 1: the one-process trajectory."""
     resumed = single(config(cache_dir, trainer__checkpoint_dir=str(runs["checkpoint_dir"]), trainer__resume="true"))
@@ -200,6 +207,7 @@ def test_cache_avg_needs_a_cache(cache_dir):
         Trainer(config(cache_dir, trainer__embedding_sync="cache_avg"))
 
 
+@pytest.mark.slow  # several processes
 def test_a_failing_rank_stops_the_run(cache_dir):
     start = time.perf_counter()
     with pytest.raises(distributed.WorkerFailed) as failure:
@@ -226,6 +234,7 @@ def _workers(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # several processes
 def test_cli_two_processes_then_a_killed_worker(tmp_path):
     env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
     args = [RECSYS, "train", *SMALL, "trainer.nproc=2", "trainer.progress=false", "trainer.log_every=10"]
@@ -260,6 +269,7 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
     assert re.search(rf"error: rank [01] \(pid {workers[-1]}\) died: .*SIGKILL", stderr), stderr[-2000:]
 
 
+@pytest.mark.slow  # several processes
 def test_torchrun_ranks_share_rank_0s_run_directory(tmp_path):
     env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "recsys_cli",

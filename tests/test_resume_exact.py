@@ -101,10 +101,10 @@ def test_lookahead_int8_small_cache_is_reproducible_and_resumes_exactly(tmp_path
     ["+placement=lookahead", "+precision=int4", "placement.cache_ratio=0.05"],
     ["+placement=cache", "+precision=int8", "placement.cache_ratio=0.05", "precision.policy=lfu"],
     ["+placement=auto", "+precision=int8", "placement.device_memory_budget=300KiB"],
-    ["+placement=lookahead", "trainer.nproc=2", "trainer.embedding_sync=cache_avg", "trainer.sync_every=3",
-     "placement.cache_ratio=0.2"],
-    ["dataset=synthetic_sessions", "+placement=lookahead", "+precision=int8", "trainer.nproc=2",
-     "placement.cache_ratio=0.05", "optimizer=adagrad", "+dedup=on"],
+    pytest.param(["+placement=lookahead", "trainer.nproc=2", "trainer.embedding_sync=cache_avg", "trainer.sync_every=3",
+                 "placement.cache_ratio=0.2"], marks=pytest.mark.slow),
+    pytest.param(["dataset=synthetic_sessions", "+placement=lookahead", "+precision=int8", "trainer.nproc=2",
+                 "placement.cache_ratio=0.05", "optimizer=adagrad", "+dedup=on"], marks=pytest.mark.slow),
 ], ids=["lookahead-int4", "cache-int8-lfu", "auto-int8", "cache_avg-2proc", "grad-2proc-int8-adagrad-dedup"])
 def test_combination_is_reproducible_and_resumes_exactly(tmp_path, args):
     check_combination(tmp_path, [*args, "trainer.batch_size=64"], steps=150)

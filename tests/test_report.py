@@ -79,7 +79,8 @@ def test_report_of_a_real_sweep(real_sweep, tmp_path):
 
 # --- sweeps written by hand: every shape the report must handle -----------------------------------
 def write_run(run_dir: Path, overrides: list[str], placement="device", precision="fp32", window=4, cache_rows=None,
-              sps=20_000.0, auc=0.74, steps=100, cache_slots=None, hit_rate=None, phase_scale=1.0) -> None:
+              sps=20_000.0, auc=0.74, steps=100, cache_slots=None, hit_rate=None, phase_scale=1.0,
+              steady=True) -> None:
     """A run directory as the trainer leaves it: summary.json, metrics.jsonl, .hydra/overrides.yaml."""
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -107,6 +108,11 @@ def write_run(run_dir: Path, overrides: list[str], placement="device", precision
                                  "policy": "lru", "overrides": {}, "device_max_rows": None, "device_memory_budget": None},
                    "precision": {"kind": precision}},
     }
+    if steady:  # a summary with the steady-state figure (train/throughput.py); older ones have none
+        wall = steps * 128 / sps + 3.0
+        summary["throughput"] = {"steady_samples_per_second": sps, "wall_seconds": wall, "eval_seconds": 2.0,
+                                 "checkpoint_seconds": 1.0, "wall_samples_per_second": steps * 128 / wall,
+                                 "warmup_steps": 10, "steps": steps}
     (run_dir / "summary.json").write_text(json.dumps(summary))
     lines = [{"step": s, "epoch": 0, "loss": 0.5 - s / 1000, "samples_per_second": sps} for s in (50, 100)]
     lines.append({"step": steps, "split": "val", **summary["final"]["val"]})
@@ -252,3 +258,17 @@ def test_run_labels_keep_only_what_differs_and_stay_unique():
 def test_report_module_imports_neither_matplotlib_nor_torch_until_needed():
     code = "import sys, recsys_cli.cli, recsys_cli.report; sys.exit('matplotlib' in sys.modules or 'torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_steady_state_throughput_is_shown_as_such_and_older_summaries_are_not_passed_off_as_it(tmp_path):
+    root = tmp_path / "multirun"
+    write_run(root / "0", ["optimizer.lr=0.1"], sps=20_000.0)
+    write_run(root / "1", ["optimizer.lr=0.2"], sps=15_000.0, steady=False)  # before the meter: fit-loop samples/s
+    console = Console(width=300, record=True)
+    build_report(root, console=console, plots=False)
+    text = " ".join(console.export_text().split())  # the caption wraps
+    assert "steady samples/s" in text and "evaluation and checkpoints left out" in text
+    new, old = read_csv(root / "report.csv")
+    assert float(new["samples_per_second"]) == 20_000 and float(new["eval_seconds"]) == 2.0
+    assert float(new["wall_samples_per_second"]) == pytest.approx(100 * 128 / (100 * 128 / 20_000 + 3.0))
+    assert old["samples_per_second"] == "" and float(old["wall_samples_per_second"]) == 15_000

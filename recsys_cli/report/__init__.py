@@ -3,11 +3,12 @@
 DIR is one run directory (summary.json, metrics.jsonl, .hydra/overrides.yaml)
 or a Hydra multirun directory; every summary.json below DIR is one run. The
 report has one row per run: the run's overrides, validation AUC and log loss,
-samples/s, embedding bytes on the device and in host memory, cache hit rate,
+steady-state training samples/s (after the warm-up steps, evaluation and
+checkpoints left out) beside wall-clock seconds, embedding bytes on the device and in host memory, cache hit rate,
 dedup ratio and seconds per phase. It prints that as tables, writes it to
 report.csv and draws:
 
-  throughput.png      samples/s per run, coloured by placement / precision
+  throughput.png      steady-state samples/s per run, coloured by placement / precision
   auc.png             validation AUC per run, same colours
   phase_seconds.png   seconds per phase per run, stacked
   cache_overhead.png  the cache's cost per step against lookahead window and

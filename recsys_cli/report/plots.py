@@ -1,6 +1,6 @@
 """The report's plots (matplotlib, imported only when plotting):
 
-  throughput.png      samples/s per run, coloured by placement / precision
+  throughput.png      steady-state samples/s per run, coloured by placement / precision
   auc.png             validation AUC per run, same colours
   phase_seconds.png   seconds per phase per run, stacked
   cache_overhead.png  the cache's cost per step against lookahead window and
@@ -226,8 +226,10 @@ def _cache_figure(runs: list[Run]):
 def make_plots(runs: list[Run], out: Path) -> tuple[list[Path], list[str]]:
     """Write the PNGs; returns (files written, notes). Needs matplotlib."""
     written, notes = [], []
-    fig = _bar_by_run(runs, [number(r.summary.get("samples_per_second")) for r in runs],
-                      "Training throughput per run (higher is better)", "training samples per second", ",.0f", zoom=False)
+    fig = _bar_by_run(runs, [r.steady_samples_per_second for r in runs],
+                      "Training throughput per run, steady state (higher is better)",
+                      "training samples per second, steady state\n(after warm-up; evaluation and checkpoints left out)",
+                      ",.0f", zoom=False)
     _save(fig, out / PLOT_NAMES["throughput"])
     written.append(out / PLOT_NAMES["throughput"])
     aucs = [r.final("val", "auc") for r in runs]

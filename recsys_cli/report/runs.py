@@ -58,6 +58,23 @@ class Run:
         return number(value)
 
     @property
+    def throughput(self) -> dict:
+        return self.summary.get("throughput") or {}
+
+    @property
+    def steady_samples_per_second(self) -> float | None:
+        """Training samples/s after the warm-up, evaluation and checkpoints
+        left out; None for a summary written before it was measured (its
+        samples_per_second is over the whole fit loop)."""
+        return number(self.summary.get("samples_per_second")) if self.throughput else None
+
+    @property
+    def wall_samples_per_second(self) -> float | None:
+        if self.throughput:
+            return number(self.throughput.get("wall_samples_per_second"))
+        return number(self.summary.get("samples_per_second"))  # older summaries: samples over the fit loop
+
+    @property
     def train_loss(self) -> float | None:
         for record in reversed(self.metrics):
             if "split" not in record and "loss" in record:
@@ -244,7 +261,11 @@ def report_rows(runs: list[Run]) -> list[dict]:
             "val_auc": run.final("val", "auc"),
             "val_logloss": run.final("val", "logloss"),
             "train_loss": run.train_loss,
-            "samples_per_second": number(run.summary.get("samples_per_second")),
+            "samples_per_second": run.steady_samples_per_second,  # steady state
+            "wall_samples_per_second": run.wall_samples_per_second,
+            "wall_seconds": number(run.throughput.get("wall_seconds")),
+            "eval_seconds": number(run.throughput.get("eval_seconds")),
+            "checkpoint_seconds": number(run.throughput.get("checkpoint_seconds")),
             "device_bytes": number(memory.get("device")),
             "host_bytes": number(memory.get("host")),
             "cache_hit_rate": number(run.cache.get("hit_rate")),

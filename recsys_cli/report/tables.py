@@ -77,10 +77,12 @@ def console_tables(rows: list[dict], root: Path, width: int | None = None) -> li
          _fmt(r["cache_hit_rate"], ".3f"), _fmt(r["dedup_ratio"], ".3f")]
         for r in rows
     ]
-    headers = ["run", "placement", "val AUC", "val logloss", "samples/s", "device", "host", "hit rate", "dedup"]
+    headers = ["run", "placement", "val AUC", "val logloss", "steady samples/s", "device", "host", "hit rate", "dedup"]
     title = f"recsys report: {root} ({len(rows)} run{'s' if len(rows) != 1 else ''})"
-    caption = ("device / host: embedding bytes per tier; hit rate: cache hits per unique row looked up; "
-               "dedup: share of a batch's ids that repeat one already in the batch")
+    caption = ("steady samples/s: training samples per second after the warm-up steps, evaluation and "
+               "checkpoints left out (- for runs from before it was measured; report.csv has their "
+               "wall_samples_per_second); device / host: embedding bytes per tier; hit rate: cache hits per "
+               "unique row looked up; dedup: share of a batch's ids that repeat one already in the batch")
     tables = _packed_tables(title, headers, cells, width, caption)
     phases = [k[len("seconds_"):] for k in (rows[0] if rows else {}) if k.startswith("seconds_")]
     cells = []

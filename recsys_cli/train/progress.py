@@ -42,7 +42,12 @@ def summary_table(summary: dict) -> Table:
         add("dedup batches", "whole sessions" if summary.get("session_shuffle")
             else "shuffled samples (no session column)")
     add("steps", f"{summary['steps']:,}")
-    add("samples/s", f"{summary['samples_per_second'] or 0:,.0f}")
+    tp = summary["throughput"]
+    steady = summary["samples_per_second"]
+    add(f"samples/s, steady state (after {tp['warmup_steps']} warm-up steps, without eval and checkpoints)",
+        "-" if steady is None else f"{steady:,.0f}")
+    add("wall clock: total / in eval / in checkpoints",
+        f"{tp['wall_seconds']:.2f} s / {tp['eval_seconds']:.2f} s / {tp['checkpoint_seconds']:.2f} s")
     for split, m in summary["final"].items():
         add(f"{split} AUC / logloss / accuracy", f"{m['auc']:.4f} / {m['logloss']:.4f} / {m['accuracy']:.4f}")
         if "predicted_ctr" in m:  # calibration: a miscalibrated split shows at a glance

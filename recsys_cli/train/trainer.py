@@ -36,6 +36,7 @@ from recsys_cli.train.memory import RSSTrace
 from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
+from recsys_cli.train.throughput import ThroughputMeter
 from recsys_cli.train.transfer import BatchCopier, pinning
 
 PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communication", "sparse_update", "dense_update",
@@ -227,6 +228,8 @@ class Trainer:
         progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
         last_log = time.perf_counter()
         start = time.perf_counter()
+        self.throughput = ThroughputMeter(self.total_steps - self.step, sync=self.runtime.current_stream().synchronize)
+        self.throughput.start(self.samples)
         with progress:
             while self.step < self.total_steps:
                 batches = self.epoch_batches()
@@ -236,6 +239,7 @@ class Trainer:
                     if batch is None:
                         break
                     loss = self.train_step(batch)
+                    self.throughput.step(self.samples)
                     self.running_loss += loss.detach()
                     self.running_steps += 1
                     if self.record_losses:
@@ -252,20 +256,25 @@ class Trainer:
                         self.running_loss.zero_()
                         self.running_steps, last_log = 0, now
                     if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
-                        self.evaluate_and_log("val")
+                        with self.throughput.paused("eval"):
+                            self.evaluate_and_log("val")
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
                         self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
-                        self.save()
+                        with self.throughput.paused("checkpoint"):
+                            self.save()
                     self.stream.passed(self.step)  # the prefetcher may fill the next step's batch
                     if self.step >= self.total_steps:
                         batches.close()
                         break
+        self.throughput.end_training(self.samples)
         self.train_seconds += time.perf_counter() - start
         # The trained model is saved before the final evaluation: an evaluation
         # that fails (a damaged val/test shard) never costs the training.
         if self.checkpoint_dir is not None and self.saved_step != self.step and tc.final_checkpoint:
-            self.save()
-        final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
+            with self.throughput.paused("checkpoint"):
+                self.save()
+        with self.throughput.paused("eval"):
+            final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
         return self.summary(final)
 
     def step_record(self, loss: float, rate: float) -> dict:
@@ -443,7 +452,9 @@ class Trainer:
         summary = {
             "steps": self.step,
             "samples": self.samples,
-            "samples_per_second": self.samples / self.train_seconds if self.train_seconds else None,
+            # steady state: after the warm-up steps, evaluations and checkpoints left out (train/throughput.py)
+            "samples_per_second": self.throughput.samples_per_second,
+            "throughput": self.throughput.report(self.samples),
             "train_seconds": self.train_seconds,
             "final": final,
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},

@@ -54,8 +54,9 @@ def make_config(rows: int, steps: int, placement: str, sync: str = "grad", every
 def bench_worker(container: dict, threads: int) -> dict | None:
     """One rank: train, and (rank 0) return the numbers and the final weights."""
     ctx = distributed.init(timeout_s=300, device="cpu")
-    torch.set_num_threads(threads)
-    trainer = Trainer(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), container)
+    cfg.trainer.threads = threads  # the trainer sets torch's threads while it trains
+    trainer = Trainer(cfg)
     summary = trainer.fit()  # ends with an evaluation, which syncs cache_avg's replicas
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     for i, g in enumerate(trainer.embeddings.groups):

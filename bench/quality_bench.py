@@ -58,6 +58,7 @@ def make_config(args, seed: int, overrides: dict):
     cfg.optimizer.name, cfg.optimizer.lr = "sgd", 0.1
     cfg.trainer.batch_size = 128
     cfg.trainer.epochs = args.epochs
+    cfg.trainer.threads = args.threads or None  # 0: the trainer's default (train/threads.py)
     cfg.trainer.seed = seed
     cfg.trainer.progress = False
     cfg.trainer.log_every = 1_000_000
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=list(SYSTEMS))
     # One thread: on a shared 2-core machine two torch threads wait on each
     # other at every op (13x slower steps measured under load).
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: the trainer's default rule)")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     if args.threads:

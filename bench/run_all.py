@@ -22,6 +22,7 @@ SUITE = {
     "distributed": ["bench.distributed_bench", "--record"],
     "quality": ["bench.quality_bench", "--record"],
     "predict": ["bench.predict_bench", "--rows", "1000000", "--record"],
+    "threads": ["bench.threads_bench", "--record"],
 }
 QUICK = {
     "preprocess": ["--rows", "200000"],
@@ -32,6 +33,7 @@ QUICK = {
     "distributed": ["--quick"],
     "quality": ["--rows", "20000", "--seeds", "2"],
     "predict": ["--rows", "50000", "--no-export"],
+    "threads": ["--rows", "20000", "--steps", "40", "--rounds", "1"],
 }
 
 

@@ -229,6 +229,10 @@ class TrainerConfig:
     # (multi-process runs: a rank that hangs cannot hang the others forever).
     dist_timeout: float = 120.0
     progress: bool = True
+    # torch compute (intra-op) threads while training; unset: the cores this
+    # process may use minus one per busy background thread (loader,
+    # prefetcher), at least one (train/threads.py).
+    threads: Optional[int] = None
     loader_queue_depth: int = 8
     # metrics.jsonl is always written; tensorboard also writes the same scalars
     # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
@@ -286,6 +290,8 @@ def validate(cfg: Any) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")
+    if cfg.trainer.threads is not None and cfg.trainer.threads < 1:
+        raise UserError(f"trainer.threads must be >= 1 (or unset for the default), got {cfg.trainer.threads}")
     if cfg.trainer.dist_timeout <= 0:
         raise UserError(f"trainer.dist_timeout must be > 0 seconds, got {cfg.trainer.dist_timeout}")
     if cfg.optimizer.lr <= 0:

@@ -36,6 +36,7 @@ from recsys_cli.train.memory import RSSTrace
 from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
+from recsys_cli.train.threads import compute_threads
 from recsys_cli.train.throughput import ThroughputMeter
 from recsys_cli.train.transfer import BatchCopier, pinning
 
@@ -224,6 +225,11 @@ class Trainer:
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
+        busy = 1 + any(getattr(g, "lookahead", False) for g in self.embeddings.groups) + self.dist.enabled  # threads
+        with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size) as self.compute_threads:
+            return self._fit()
+
+    def _fit(self) -> dict:
         tc = self.cfg.trainer
         progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
         last_log = time.perf_counter()
@@ -456,6 +462,7 @@ class Trainer:
             "samples_per_second": self.throughput.samples_per_second,
             "throughput": self.throughput.report(self.samples),
             "train_seconds": self.train_seconds,
+            "compute_threads": self.compute_threads,
             "final": final,
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
             "embedding_bytes": self.embeddings.memory(),

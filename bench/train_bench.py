@@ -91,6 +91,7 @@ def recsys_config(rows: int, batch_size: int, steps: int, placement: dict | None
     cfg.trainer.max_steps = steps
     cfg.trainer.progress = False
     cfg.trainer.log_every = 10_000
+    cfg.trainer.threads = torch.get_num_threads()  # the plain reference's count (torch's default): like for like
     if placement:
         OmegaConf.update(cfg, "placement", placement, merge=True)
     return cfg

@@ -19,7 +19,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recsys_cli.config import CHOICES, TrainConfig, register_configs, validate
+from recsys_cli.config import CHOICES, PLACEMENTS, TrainConfig, register_configs, validate
 from recsys_cli.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def config_copy(tmp_path) -> Path:
 
 @pytest.mark.parametrize("text, message", [
     ("kind: lookahead\npolcy: lru\n", "placement.polcy"),
-    ("kind: lookahed\n", "placement.kind='lookahed' is not one of device, gpu, host, uvm, lookahead, cache, auto"),
+    ("kind: lookahed\n", "placement.kind='lookahed' is not one of " + ", ".join(PLACEMENTS)),
     ("kind: cache\nwindow: four\n", "placement.window"),
 ])
 def test_a_typo_in_a_yaml_file_fails_at_composition_naming_the_key(config_copy, text, message):

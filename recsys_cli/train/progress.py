@@ -80,9 +80,9 @@ def summary_table(summary: dict) -> Table:
         if "window_used_mean" in cache:
             add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
         if "disk_bytes_read" in cache:  # the disk tier
-            add("disk tables / host cache rows", f"{_bytes(mem.get('disk', 0))} / {cache['host_cache_rows']:,}")
-            add("disk bytes read / written per step", f"{_bytes(cache.get('disk_bytes_read_per_step', 0))} / "
-                                                      f"{_bytes(cache.get('disk_bytes_written_per_step', 0))}")
+            add("disk tables / host cache rows", f"{format_bytes(mem.get('disk', 0))} / {cache['host_cache_rows']:,}")
+            add("disk bytes read / written per step", f"{format_bytes(cache.get('disk_bytes_read_per_step', 0))} / "
+                                                      f"{format_bytes(cache.get('disk_bytes_written_per_step', 0))}")
             amp, hit = cache.get("disk_read_amplification"), cache.get("host_cache_hit_rate")
             add("disk read amplification / host cache hit rate",
                 f"{'-' if amp is None else f'{amp:.2f}'} / {'-' if hit is None else f'{hit:.3f}'}")

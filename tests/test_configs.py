@@ -8,6 +8,7 @@ fails at composition, naming the key.
 
 from __future__ import annotations
 
+import io
 import itertools
 import re
 import shlex
@@ -99,6 +100,11 @@ def test_each_yaml_trains_one_step(group, option, small_data):
     trainer = Trainer(cfg)
     summary = trainer.fit()
     assert trainer.step == 1 and summary["steps"] == 1
+    from rich.console import Console
+
+    from recsys_cli.train.progress import summary_table
+
+    Console(width=200, file=io.StringIO()).print(summary_table(summary))  # the end-of-run table renders
     assert 0 <= summary["final"]["val"]["auc"] <= 1
     if group in ("placement", "precision"):  # the file's choice is what ran
         assert summary[group] == cfg[group].kind

@@ -9,7 +9,7 @@ each stage's peak RSS is its own: the parent waits with os.wait4, whose
 rusage is that child's alone, and the parent itself stays small because it
 imports neither torch nor pyarrow before the stages are done. Training runs
 `recsys train` exactly as a user would (one epoch, its end-of-run test
-evaluation, no checkpoints), once per variant:
+evaluation, no checkpoint at all), once per variant:
 
     fp32  device placement, fp32 tables
     int4  int4 host tables behind the lookahead cache (placement defaults)
@@ -85,7 +85,7 @@ def run(rows: int, scale: float, variants: list[str], batch_size: int, model: st
     for variant in variants:
         run_dir = work / f"run-{variant}"
         command = [*recsys, "train", "dataset=criteo_kaggle", f"dataset.path={data}", f"model={model}",
-                   f"trainer.batch_size={batch_size}", "trainer.epochs=1", "trainer.checkpoint_every=null",
+                   f"trainer.batch_size={batch_size}", "trainer.epochs=1", "trainer.checkpoint_every=null", "trainer.final_checkpoint=false",
                    f"hydra.run.dir={run_dir}", *VARIANTS[variant], *extra]
         train = stage(f"train {variant}", command, work / f"train-{variant}.log")
         summary_path = run_dir / "summary.json"

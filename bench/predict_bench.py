@@ -42,7 +42,7 @@ def build(work: Path, rows: int) -> tuple[Path, Path, Path]:
     from data_tools import synthetic, vocab
     from data_tools.manifest import CRITEO_SPARSE, Manifest, SparseFeature
     from recsys_cli.config import TrainConfig
-    from recsys_cli.embeddings.tables import TableSpec, init_table
+    from recsys_cli.embeddings.table_init import TableSpec, init_table
     from recsys_cli.model.dlrm import mlp
 
     cfg = synthetic.SyntheticConfig(rows=rows, cardinality_scale=1.0, seed=0)

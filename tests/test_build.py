@@ -14,7 +14,7 @@ import torch
 
 from recsys_cli.embeddings.quant import INIT_STEP
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import TableSpec, build_initial_rows, init_rows
+from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows, init_rows
 
 SPECS = [TableSpec("C1", 5, 8), TableSpec("C2", 9_000, 8), TableSpec("C3", 1, 8), TableSpec("C4", 4_321, 8)]
 

@@ -24,7 +24,7 @@ from recsys_cli.embeddings.cache import CachedGroup
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import plan_lookup
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import TableSpec, build_initial_rows
+from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
 
 ROWS, SLOTS, BATCH = 200_000, 20_000, 400
 

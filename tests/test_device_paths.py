@@ -306,7 +306,7 @@ def test_a_host_table_is_pinned_once_in_place_never_copied_to_pin(kind, precisio
     from recsys_cli.config import PlacementConfig, PrecisionConfig
     from recsys_cli.embeddings.optim import RowOptimizer
     from recsys_cli.embeddings.placement import make_group
-    from recsys_cli.embeddings.tables import TableSpec
+    from recsys_cli.embeddings.table_init import TableSpec
 
     specs = [TableSpec("a", 500, 8), TableSpec("b", 300, 8)]
     runtime = RecordingRuntime()

@@ -117,7 +117,7 @@ def test_a_full_disk_is_a_clear_error(tmp_path, monkeypatch):
 BUILD = textwrap.dedent("""
     import resource, sys, torch
     from recsys_cli.embeddings.disk_store import DiskRowStore
-    from recsys_cli.embeddings.tables import TableSpec
+    from recsys_cli.embeddings.table_init import TableSpec
     spec = TableSpec("big", {rows}, {dim})
     torch.empty(1)  # torch's own start-up memory before the baseline
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -8,7 +8,7 @@ from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.planner import device_row_bytes, plan_placement
-from recsys_cli.embeddings.tables import TableSpec
+from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 
 NAMES, VOCAB, DIM = ["a", "b", "c", "d"], [30, 400, 5000, 12_000], 8

@@ -14,7 +14,7 @@ from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.quant import make_rows
-from recsys_cli.embeddings.tables import TableSpec, init_rows, init_table
+from recsys_cli.embeddings.table_init import TableSpec, init_rows, init_table
 from recsys_cli.model.dlrm import DLRM
 
 FEATURES = ["C1", "C2", "C3", "C4"]

@@ -23,7 +23,7 @@ from recsys_cli.embeddings.planner import (
     plan_placement,
     rows_covering,
 )
-from recsys_cli.embeddings.tables import TableSpec
+from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 
 

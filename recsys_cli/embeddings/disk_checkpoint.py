@@ -39,8 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, empty_rows
-from recsys_cli.embeddings.tables import TableSpec, init_rows
+from recsys_cli.embeddings.disk_records import RecordCodec
+from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, decode_saved
+from recsys_cli.embeddings.table_init import TableSpec, init_rows
 from recsys_cli.errors import UserError
 
 COMPACT_FRACTION = 0.5  # deltas of more rows than this fraction of the table: write a new base
@@ -162,8 +163,6 @@ class DiskTableSnapshot:
 
 
 def _codec(layout: dict):
-    from recsys_cli.embeddings.disk_store import RecordCodec
-
     return RecordCodec(layout["dim"], layout["precision"], layout["rounding"], layout["state_width"])
 
 
@@ -274,8 +273,6 @@ def load_disk_table(store, table: int, saved) -> None:
         if tensors["precision"] == store.precision:
             encoded = {name: tensors[name][a:b] for name, *_ in store.codec.fields if name != "state"}
         else:
-            from recsys_cli.embeddings.store import decode_saved
-
             part = {k: (v[a:b] if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
             encoded = store.rows.encode(decode_saved(part, spec.dim), store.key(ids, CONVERT_STEP))
         store._write_file(ids, store.codec.pack(encoded, state))

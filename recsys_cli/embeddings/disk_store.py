@@ -43,7 +43,7 @@ store. Which rows sit in the host cache then depends on thread timing, but
 never a value: each row's reads and writes are ordered by the cache in front.
 
 Building: the file is filled chunk by chunk straight from init_rows (the
-counter-based initialisation of tables.py, the same values in any chunking,
+counter-based initialisation of table_init.py, the same values in any chunking,
 placement or precision), encoded with the initial rounding keys RowStore
 uses: memory for one chunk, whatever the table's size.
 """
@@ -61,16 +61,17 @@ import weakref
 import numpy as np
 import torch
 
-from recsys_cli.embeddings.quant import INIT_STEP, empty_rows
+from recsys_cli.embeddings.disk_records import RecordCodec
+from recsys_cli.embeddings.quant import INIT_STEP
 from recsys_cli.embeddings.slot_index import SlotIndex
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import TableSpec, init_rows
+from recsys_cli.embeddings.table_init import TableSpec, init_rows
 from recsys_cli.errors import UserError
 
 DIR_PREFIX = "recsys-disk-"  # a live store's own directory under placement.disk_path
 OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
-BUILD_ELEMENTS = 1 << 16  # values initialised per piece (tables.py: temporaries that stay in cache)
+BUILD_ELEMENTS = 1 << 16  # values initialised per piece (table_init.py: temporaries that stay in cache)
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
 
 
@@ -80,42 +81,6 @@ def disk_error(path, e: OSError, doing: str) -> UserError:
         return UserError(f"{path}: no space left while {doing} ({e.strerror}); free disk space or set "
                          "placement.disk_path to a larger disk")
     return UserError(f"{path}: cannot {doing}: {e.strerror or e}; set placement.disk_path to a writable directory")
-
-
-class RecordCodec:
-    """Rows in one precision (plus state) <-> fixed-size byte records."""
-
-    def __init__(self, dim: int, precision: str, rounding: str, state_width: int) -> None:
-        self.dim, self.precision, self.rounding, self.state_width = dim, precision, rounding, state_width
-        self.rows = empty_rows(0, dim, precision, rounding)  # the encoder (encode uses no stored rows)
-        proto = empty_rows(1, dim, precision, rounding)
-        self.fields = [(name, t.dtype, t.shape[1] * t.element_size()) for name, t in proto.tensors().items()]
-        self.fields.append(("state", torch.float32, state_width * 4))
-        self.record_bytes = sum(nbytes for _, _, nbytes in self.fields)
-
-    def pack(self, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
-        """uint8 [n, R] records of encoded rows and their state."""
-        n = state.shape[0]
-        parts = [({**encoded, "state": state}[name].contiguous().view(torch.uint8).reshape(n, nbytes))
-                 for name, _, nbytes in self.fields]
-        return torch.cat(parts, dim=1)
-
-    def unpack(self, records: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """(native fields, state) of uint8 [n, R] records (copies)."""
-        out, col = {}, 0
-        for name, dtype, nbytes in self.fields:
-            out[name] = records[:, col:col + nbytes].contiguous().view(dtype)
-            col += nbytes
-        state = out.pop("state")
-        return out, state
-
-    def decode(self, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
-        """fp32 rows of native fields (quant.py's read on these tensors)."""
-        rows = empty_rows(0, self.dim, self.precision, self.rounding)
-        for name, t in encoded.items():
-            setattr(rows, name, t)
-        n = next(iter(encoded.values())).shape[0]
-        return rows.read(torch.arange(n))
 
 
 class DiskRowStore:

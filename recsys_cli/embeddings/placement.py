@@ -29,8 +29,10 @@ import torch
 from recsys_cli.device import runtime_for
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
+from recsys_cli.embeddings.planner import PlacementPlan, measure_access, parse_bytes, plan_placement
 from recsys_cli.embeddings.store import RowStore
-from recsys_cli.embeddings.tables import DirectGroup, TableSpec, build_initial_rows
+from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
+from recsys_cli.embeddings.tables import DirectGroup
 from recsys_cli.errors import UserError
 
 DEFAULT_CACHE_RATIO = {"fp16": 0.05, "int8": 0.05, "int4": 0.01}
@@ -152,11 +154,10 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
 
 
 def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
-              sample_batches) -> "PlacementPlan":
+              sample_batches) -> PlacementPlan:
     """placement=auto: measure the access skew of a sample of training
     batches and let the planner place every table within the device budget
     (and, with placement.host_memory_budget, the host budget: the rest on disk)."""
-    from recsys_cli.embeddings.planner import measure_access, parse_bytes, plan_placement
 
     if not placement.device_memory_budget:
         raise UserError("+placement=auto needs placement.device_memory_budget=SIZE (e.g. 64MiB, 2GiB)")

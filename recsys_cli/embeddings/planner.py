@@ -57,7 +57,7 @@ from typing import Iterable
 import numpy as np
 
 from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT as SLOT_INDEX_BYTES_PER_SLOT
-from recsys_cli.embeddings.tables import TableSpec
+from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
 

@@ -268,3 +268,13 @@ def make_rows(weights: torch.Tensor, precision: str, rounding: str = "stochastic
     rows = empty_rows(weights.shape[0], weights.shape[1], precision, rounding, weights.device)
     rows.write(torch.arange(weights.shape[0], device=weights.device), weights, key)
     return rows
+
+
+def decode_saved(saved: dict, dim: int) -> torch.Tensor:
+    """fp32 rows of a table saved in native tensors ({"precision", field: tensor})."""
+    rows = make_rows(torch.zeros(0, dim), saved["precision"])
+    for k in rows.tensors():
+        setattr(rows, k, saved[k])
+    n = next(iter(rows.tensors().values())).shape[0]
+    return rows.read(torch.arange(n))
+

@@ -9,7 +9,7 @@ row within the table, step), so it does not depend on how tables are fused
 or in which order rows are written.
 
 A store is allocated once, in its precision and location, and built in place
-(tables.build_initial_rows -> write_initial, chunk by chunk): no fp32 copy of
+(table_init.build_initial_rows -> write_initial, chunk by chunk): no fp32 copy of
 a low-precision table and no concatenation of the tables ever exists.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from recsys_cli.embeddings.quant import INIT_STEP, QuantizedRows, RoundingKey, empty_rows
+from recsys_cli.embeddings.quant import INIT_STEP, QuantizedRows, RoundingKey, decode_saved, empty_rows
 
 
 class RowStore:
@@ -34,7 +34,7 @@ class RowStore:
         device: torch.device | str = "cpu",
     ) -> None:
         """Uninitialised rows [num_rows, dim] in `precision` on `device` (fill
-        them with write_initial, e.g. through tables.build_initial_rows);
+        them with write_initial, e.g. through table_init.build_initial_rows);
         state: fp32 [rows, 0|1]; table_rows: (table number, rows) of the fused
         tables in order, the tables' identity for rounding keys (default: one
         table numbered 0); empty(shape, dtype): allocates the rows (pinned host
@@ -164,15 +164,3 @@ class RowStore:
         state = saved["state"].to(self.device)
         if state.shape[1] == self.state.shape[1]:
             self.state[lo:hi] = state
-
-
-def decode_saved(saved: dict, dim: int) -> torch.Tensor:
-    """fp32 rows of a table saved in native tensors ({"precision", field: tensor})."""
-    from recsys_cli.embeddings.quant import make_rows
-
-    rows = make_rows(torch.zeros(0, dim), saved["precision"])
-    for k in rows.tensors():
-        setattr(rows, k, saved[k])
-    n = next(iter(rows.tensors().values())).shape[0]
-    return rows.read(torch.arange(n))
-

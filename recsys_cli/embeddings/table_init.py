@@ -1,0 +1,169 @@
+"""Table rows' identity and initial values: TableSpec and the per-row deterministic build.
+
+A table's initial rows are a function of (seed, table name, row) only, so
+every placement, precision, chunking and process builds the same values;
+`build_initial_rows` hands them, chunk by chunk, to whatever store holds
+them (a RowStore in memory, a DiskRowStore's file). This module depends on
+nothing else in embeddings/, so every store can use it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import threading
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from recsys_cli.embeddings.counter import MASK32 as _MASK32
+from recsys_cli.embeddings.counter import fmix32 as _fmix32
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+
+
+# Initialisation keyed by block. A row's initial values are a function of
+# (seed, table name, row) only: each block of INIT_BLOCK_ROWS rows of a table
+# is drawn from its own generator, seeded by a hash of (seed, table, block),
+# so a table built in one piece, in chunks of any size, on another device, in
+# another placement or precision, or by another process starts from the same
+# fp32 values. The block is the unit of the key, not of the build: rows
+# [a, b) draw the prefix of their blocks' streams they need. torch's CPU
+# Mersenne twister draws one 32-bit word per value, serially, so a prefix of a
+# stream is the same however long the draw; a value is a uniform 24-bit
+# integer times one fp32 scale, exact (and CUDA tables copy the CPU draw).
+# About 15x faster than hashing every element (45 int64 ops per value), which
+# is what start-up spent its seconds on. The generator's seed is 32 bits, so
+# two of the ~2**13 blocks of a Kaggle-sized model share a stream with odds
+# of about 1 in 100: harmless for an initialisation.
+INIT_BLOCK_ROWS = 4096
+_SERIAL_ELEMENTS = 1 << 15  # at most torch's grain size (32768): such an op runs on the calling thread
+
+
+def table_key(name: str, seed: int) -> tuple[int, int]:
+    """Two 32-bit keys of a table's initial values, from the run seed and the
+    table's name (not its position among the features)."""
+    name_hash = zlib.crc32(name.encode())
+    k1 = _fmix32((_fmix32(seed & _MASK32) ^ name_hash) & _MASK32)
+    k2 = _fmix32(k1 ^ (seed >> 32 & _MASK32) ^ 0x9E3779B9)
+    return k1, k2
+
+
+def _block_seed(keys: tuple[int, int], block: int) -> int:
+    k1, k2 = keys
+    return _fmix32(_fmix32((block & _MASK32) ^ k1) ^ (block >> 32 & _MASK32) ^ k2)
+
+
+def init_into(out: torch.Tensor, spec: TableSpec, row_start: int, seed: int) -> torch.Tensor:
+    """Fill `out` (fp32 [n, dim] on the CPU, rows contiguous) with the initial
+    rows [row_start, row_start + n) of table `spec`, in place; returns `out`.
+    The values: uniform in [-b, b) with b = sqrt(1 / num_rows), DLRM's (and
+    TorchRec's) table init."""
+    n = out.shape[0]
+    row_end = row_start + n
+    if not 0 <= row_start <= row_end <= spec.num_rows:
+        raise ValueError(f"rows [{row_start}, {row_end}) outside table {spec.name} of {spec.num_rows} rows")
+    if out.shape[1:] != (spec.dim,) or out.dtype != torch.float32 or out.device.type != "cpu":
+        raise ValueError(f"init_into needs a CPU fp32 [n, {spec.dim}] tensor, got {out.dtype} {tuple(out.shape)}")
+    keys = table_key(spec.name, seed)
+    bound = torch.tensor(1.0 / math.sqrt(spec.num_rows), dtype=torch.float32).item()
+    scale = bound / (1 << 23)  # codes in [-2**23, 2**23): values exact in fp32, strictly inside the bound
+    codes = torch.empty(min(n, INIT_BLOCK_ROWS) * spec.dim, dtype=torch.int32)
+    gen = torch.Generator()
+    piece = max(1, _SERIAL_ELEMENTS // spec.dim)
+    row = row_start
+    while row < row_end:
+        block = row // INIT_BLOCK_ROWS
+        first = block * INIT_BLOCK_ROWS
+        last = min(row_end, first + INIT_BLOCK_ROWS)
+        gen.manual_seed(_block_seed(keys, block))
+        skip = (row - first) * spec.dim  # the block's stream from its first row: draw the prefix, keep the end
+        if codes.numel() < (last - first) * spec.dim:
+            codes = torch.empty((last - first) * spec.dim, dtype=torch.int32)
+        drawn = codes[: (last - first) * spec.dim].random_(-(1 << 23), 1 << 23, generator=gen)
+        codes_rows = drawn[skip:].view(last - row, spec.dim)
+        for p in range(0, last - row, piece):  # pieces under torch's grain size: no OpenMP team per op
+            dest = out[row - row_start + p : min(last, row + p + piece) - row_start]
+            dest.copy_(codes_rows[p : p + dest.shape[0]])  # int32 -> fp32, exact (|code| <= 2**23)
+            dest.mul_(scale)  # (torch.mul(int32, s, out=fp32) takes a 25x slower casting loop)
+        row = last
+    return out
+
+
+def init_rows(spec: TableSpec, row_start: int, row_end: int, seed: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """Initial fp32 rows [row_start, row_end) of table `spec` (init_into).
+    Any split of a table into row ranges concatenates to the same tensor, on
+    any device."""
+    if not 0 <= row_start <= row_end <= spec.num_rows:
+        raise ValueError(f"rows [{row_start}, {row_end}) outside table {spec.name} of {spec.num_rows} rows")
+    out = init_into(torch.empty(row_end - row_start, spec.dim), spec, row_start, seed)
+    return out.to(device)
+
+
+def init_table(spec: TableSpec, seed: int) -> torch.Tensor:
+    """The whole table's initial rows."""
+    return init_rows(spec, 0, spec.num_rows, seed)
+
+
+# Rows built at a time: one chunk of fp32 values (4 MiB) and the quantizer's
+# temporaries are all a build holds beyond the table itself.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def build_initial_rows(specs: list[TableSpec], seed: int, write, chunk_rows: int | None = None, into=None,
+                       workers: int = 1) -> None:
+    """Build tables `specs`, fused in order, chunk by chunk, straight into
+    their destination: the initial fp32 rows of fused rows [start, start + n)
+    go to write(start, rows) (rows: a CPU fp32 [n, dim] buffer reused for the
+    next chunk: copy or encode it before returning). into(start, end), if
+    given, may instead return a CPU fp32 view of the destination to fill in
+    place (an fp32 host table), or None. The values do not depend on
+    chunk_rows (default CHUNK_ELEMENTS // dim) nor on `workers`; a chunk never
+    spans two tables. A store in any precision and location
+    (RowStore.write_initial), or a file on disk, is built this way.
+
+    workers > 1 builds chunks on that many threads at once (write and into
+    are then called concurrently, for disjoint rows). Every torch op of the
+    build runs on one intra-op thread: the ops are small and many, and an
+    OpenMP team per op on a loaded machine spins and waits for its slowest
+    member (measured: 26x the CPU time of one thread with two of them)."""
+    if not specs:
+        return
+    dim = specs[0].dim
+    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // dim)
+    chunks = []
+    start = 0
+    for spec in specs:
+        chunks += [(spec, start, lo, min(spec.num_rows, lo + chunk_rows)) for lo in range(0, spec.num_rows, chunk_rows)]
+        start += spec.num_rows
+    local = threading.local()
+
+    def build(chunk) -> None:
+        spec, start, lo, hi = chunk
+        view = into(start + lo, start + hi) if into is not None else None
+        if view is not None:
+            init_into(view, spec, lo, seed)
+            return
+        if getattr(local, "buffer", None) is None:
+            local.buffer = torch.empty(chunk_rows, dim)
+        write(start + lo, init_into(local.buffer[: hi - lo], spec, lo, seed))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if workers <= 1 or len(chunks) == 1:
+            for chunk in chunks:
+                build(chunk)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for done in pool.map(build, chunks):  # re-raises a chunk's error
+                    del done
+    finally:
+        torch.set_num_threads(threads)

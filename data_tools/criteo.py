@@ -64,7 +64,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from data_tools import shards as sh
+from data_tools import dataset_dir
 from data_tools import vocab as vocab_io
 from data_tools.criteo_config import CriteoConfig, validate
 from data_tools.criteo_input import BlockReader, resolve_inputs
@@ -141,7 +141,7 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     for p in paths:  # it would be read while its directory is replaced
         if output.resolve() in p.resolve().parents:
             raise UserError(f"input {p} is inside the output directory {output}; write the dataset elsewhere")
-    sh.check_output(output.absolute())
+    dataset_dir.check_output(output.absolute())
     source_vocab = _source_vocabulary(cfg)
     total_bytes = sum(p.stat().st_size for p in paths)
     t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
                          block_size=cfg.block_size, on_error=cfg.on_error)
     timings: dict[str, float] = {}
     unknown: dict[str, int] | None = None
-    with _Progress(cfg.progress, total_bytes) as progress, sh.atomic_dataset_dir(output) as tmp:
+    with _Progress(cfg.progress, total_bytes) as progress, dataset_dir.atomic_dataset_dir(output) as tmp:
         distinct: dict[str, int] | None = None
         if source_vocab is None and cfg.hash_buckets is None:
             features, splits, skipped, distinct, vocab_entry = vocabulary_mode(

@@ -1,5 +1,11 @@
 """Synthetic Criteo-like data: the built-in dataset and a test/benchmark input.
 
+(Over 450 lines on purpose: one generative model. The world's parameters,
+the chunked sampling and the two writers of the same rows, parquet shards
+and raw TSV, share the world's private arrays, and the TSV writer must emit
+exactly the rows `generate` does; the output directory's handling lives in
+dataset_dir.py, the shard format in shards.py.)
+
 What is generated (all vectorised numpy, chunk by chunk, deterministic from
 `seed`: the same config gives byte-identical shards):
 
@@ -46,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from data_tools import dataset_dir
 from data_tools import shards as sh
 from data_tools.errors import UserError
 from data_tools.manifest import (
@@ -436,7 +443,7 @@ def _generate(cfg: SyntheticConfig, output: Path, if_exists: str, progress: bool
     val_y: list[np.ndarray] = []
     val_rows = 0
     clicks = 0.0
-    with sh.atomic_dataset_dir(output, if_exists=if_exists) as tmp, _progress(progress, cfg.rows, "generating") as bar:
+    with dataset_dir.atomic_dataset_dir(output, if_exists=if_exists) as tmp, _progress(progress, cfg.rows, "generating") as bar:
         writer = sh.SplitWriter(
             tmp, schema, None, row_group_rows=cfg.row_group_rows,
             session_column="session" if cfg.sessions else None,

@@ -32,6 +32,7 @@ STEPS = 30
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placement__window=4)
+DISK = {**LOOKAHEAD, "placement__kind": "disk", "placement__host_cache_rows": 16}
 DCN_SCHEDULE = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8,
                     optimizer__schedule="warmup_poly", optimizer__warmup_steps=5)
 
@@ -52,7 +53,8 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def result(trainer: Trainer) -> dict:
     return {"losses": list(trainer.step_losses), "weights": weights(trainer), "evals": list(trainer.evals),
-            "distributed": trainer.strategy.report()}
+            "distributed": trainer.strategy.report(),
+            "stores": sorted({type(g.store).__name__ for g in trainer.embeddings.groups})}
 
 
 def train_runs(runs: list[tuple[str, dict]]) -> dict:
@@ -117,6 +119,7 @@ def cache_dir(tmp_path_factory):
 def runs(cache_dir, tmp_path_factory):
     """Every two-process run of this file, in one launch."""
     ckpt = tmp_path_factory.mktemp("ck")
+    live = tmp_path_factory.mktemp("disk")
     configs = {
         "device": config(cache_dir),
         "lookahead": config(cache_dir, **LOOKAHEAD),
@@ -125,6 +128,10 @@ def runs(cache_dir, tmp_path_factory):
         "half": config(cache_dir, **LOOKAHEAD, trainer__max_steps=STEPS // 2, trainer__checkpoint_dir=str(ckpt)),
         "dcn_schedule": config(cache_dir, **LOOKAHEAD, **DCN_SCHEDULE),
         "lookahead_int8": config(cache_dir, **{**LOOKAHEAD, "placement__cache_rows": 600}, precision__kind="int8"),
+        # the disk tier: each rank's own store file under disk_path, a host cache that evicts every step
+        "disk": config(cache_dir, **DISK, placement__disk_path=str(live)),
+        "disk_int8": config(cache_dir, **{**DISK, "placement__cache_rows": 600}, precision__kind="int8",
+                            placement__disk_path=str(live)),
     }
     start = time.perf_counter()
     ranks = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])
@@ -149,6 +156,18 @@ def test_grad_sync_equals_one_process_with_the_global_batch(runs, reference, pla
 
 
 @pytest.mark.slow  # several processes
+@pytest.mark.parametrize("disk, memory", [("disk", "lookahead"), ("disk_int8", "lookahead_int8")])
+def test_disk_tier_in_two_processes_equals_host_tables(runs, disk, memory):
+    """Tables on disk behind the same lookahead cache train exactly as host
+    tables do, with gradient sync over two processes, in fp32 and int8."""
+    assert runs[disk]["stores"] == ["DiskRowStore"] and "DiskRowStore" not in runs[memory]["stores"]
+    assert runs[disk]["losses"] == runs[memory]["losses"]
+    for key, value in runs[memory]["weights"].items():
+        assert torch.equal(runs[disk]["weights"][key], value), key
+    assert runs[disk]["evals"] == runs[memory]["evals"]
+
+
+@pytest.mark.slow  # several processes
 def test_dcn_and_lr_schedule_follow_one_process_with_the_global_batch(runs, cache_dir):
     ref = single(config(cache_dir, **DCN_SCHEDULE))
     assert_same(runs["dcn_schedule"], ref)
@@ -156,7 +175,7 @@ def test_dcn_and_lr_schedule_follow_one_process_with_the_global_batch(runs, cach
 
 
 @pytest.mark.slow  # several processes
-@pytest.mark.parametrize("name", ["device", "lookahead", "lookahead_int8"])
+@pytest.mark.parametrize("name", ["device", "lookahead", "lookahead_int8", "disk", "disk_int8"])
 def test_ranks_hold_identical_replicas(runs, name):
     """grad sync: every rank applies the same updates to its own table copy and
     cache, in every precision: the replicas are bitwise equal, dense weights too."""

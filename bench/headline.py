@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.headline [--rows 45840617] [--cardinality-scale 1.0]
         [--variant fp32|int4 ...] [--batch-size 128] [--model dlrm_kaggle] [--keep DIR]
-        [--set KEY=VALUE ...] [--record]
+        [--set KEY=VALUE ...] [--raw FILE] [--record]
 
 Every stage runs as its own child process (the raw file's generation too), so
 each stage's peak RSS is its own: the parent waits with os.wait4, whose
@@ -71,12 +71,15 @@ def stage(name: str, command: list[str], log: Path) -> dict:
 
 
 def run(rows: int, scale: float, variants: list[str], batch_size: int, model: str, work: Path,
-        extra: list[str]) -> list[dict]:
+        extra: list[str], raw: Path | None = None) -> list[dict]:
     recsys = [sys.executable, "-m", "recsys_cli"]
-    raw, data = work / "train.txt", work / "criteo"
-    results = [stage("generate raw TSV (set-up)", [sys.executable, "-c", _GENERATE, str(rows), str(scale), str(raw)],
-                     work / "generate.log")]
-    results[0]["input_mb"] = raw.stat().st_size / 1e6
+    data = work / "criteo"
+    results = []
+    if raw is None:  # generating is set-up, not part of end to end: a user has the file
+        raw = work / "train.txt"
+        results.append(stage("generate raw TSV (set-up)",
+                             [sys.executable, "-c", _GENERATE, str(rows), str(scale), str(raw)], work / "generate.log"))
+        results[0]["input_mb"] = raw.stat().st_size / 1e6
     prep = stage("preprocess", [*recsys, "preprocess", "criteo", f"input={raw}", f"output={data}"],
                  work / "preprocess.log")
     prep["rows"] = rows
@@ -138,14 +141,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--keep", type=Path, default=None, help="work directory to keep (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
                     help="an extra `recsys train` override, e.g. --set trainer.threads=1")
+    ap.add_argument("--raw", type=Path, default=None,
+                    help="an existing raw TSV (the generated file of an earlier run, same --rows and "
+                         "--cardinality-scale) instead of generating one")
     ap.add_argument("--record", action="store_true", help="append the result to BENCHMARKS.md")
     args = ap.parse_args(argv)
+    if args.raw is not None and not args.raw.is_file():
+        raise SystemExit(f"--raw {args.raw}: no such file")
     variants = args.variant or list(VARIANTS)
     tmp = tempfile.TemporaryDirectory(prefix="recsys-headline-") if args.keep is None else None
     work = Path(tmp.name if tmp else args.keep)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        results = run(args.rows, args.cardinality_scale, variants, args.batch_size, args.model, work, args.set)
+        results = run(args.rows, args.cardinality_scale, variants, args.batch_size, args.model, work, args.set,
+                      args.raw)
     finally:
         if tmp:
             tmp.cleanup()

@@ -163,3 +163,60 @@ def test_victims_are_the_top_k_over_every_slot(policy):
         group.prepare(plan)
         group.release(plan)
     assert len(chosen) > 3
+
+
+def test_protection_equals_the_union_of_each_window():
+    """_Protection answers every window from one merge: the same sorted slots
+    as torch.unique over the window's batches and the hits, and the same
+    count of resident ones."""
+    from collections import deque
+
+    from recsys_cli.embeddings.cache import _Protection
+
+    gen = torch.Generator().manual_seed(3)
+    capacity, index = 500, 40
+    history = deque((b, torch.randint(0, capacity, (60,), generator=gen), torch.zeros(0, dtype=torch.int64))
+                    for b in range(24, index))
+    hits = torch.randint(0, capacity, (30,), generator=gen)
+    row_of_slot = torch.where(torch.rand(capacity, generator=gen) < 0.8, torch.arange(capacity), -1)
+    protection = _Protection(index, hits, history, row_of_slot)
+    for first in range(20, index + 1):  # first <= index: a batch always protects its hits
+        union = torch.unique(torch.cat([hits, *(s for b, s, _ in history if b >= first)]))
+        assert torch.equal(protection.slots_from(first), union)
+        assert protection.resident_from(first) == int((row_of_slot[union] >= 0).sum())
+
+
+def test_shrinking_window_merges_the_history_once():
+    """A full lookahead cache whose window must shrink from 16 to 4 merges its
+    history once per prepare, not once per window tried (that was O(window^2)
+    batches of work a step: 143 batches' slots through torch.unique here), and
+    still picks the widest window with room."""
+    rows, slots, batch = 20_000, 2_000, 400
+    spec = TableSpec("t", rows, 4)
+    optimizer = RowOptimizer("sgd", 0.1)
+    store = RowStore(rows, 4, optimizer.initial_state(rows, torch.device("cpu")), "fp32")
+    build_initial_rows([spec], 0, store.write_initial, into=store.initial_view)
+    group = CachedGroup(tables=[spec], feature_tables=["t"], store=store, optimizer=optimizer,
+                        device=torch.device("cpu"), cache_slots=slots, policy="lru", lookahead=True, window=16,
+                        admit_all=True, store_tier="host")
+    unique_calls = []
+
+    class CountUnique(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("unique", "_unique2", "_unique"):
+                unique_calls.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    windows = []
+    for b in range(30):  # every batch all misses: 400 fresh rows
+        plan = _plan(torch.arange(b * batch, (b + 1) * batch) % rows)
+        unique_calls.clear()
+        with CountUnique():
+            group.prepare(plan)
+        windows.append(group.last_window)
+        group.release(plan)
+        # the window's history and hits once (at most 17 batches), and the
+        # slot index's removal of the evicted rows (at most a batch)
+        assert sum(unique_calls) <= (16 + 1 + 1) * batch
+    # capacity 2,000 = 5 batches: the window holds 4 earlier batches and this one
+    assert windows[-10:] == [4] * 10

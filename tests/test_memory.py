@@ -47,3 +47,36 @@ def test_summary_records_rss_at_log_steps(tmp_path):
     assert all(b > 0 for _, b in memory["rss_bytes"])
     # ru_maxrss (the kernel's high-water mark) is updated lazily: the same order, not a bound
     assert memory["peak_rss_bytes"] > max(b for _, b in memory["rss_bytes"]) // 2
+
+
+@pytest.mark.parametrize("placement,precision", [
+    ("device", "fp32"), ("lookahead", "fp32"), ("lookahead", "int8"), ("cache", "fp32"), ("disk", "fp32"),
+])
+def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path, placement, precision):
+    """Tensors' bytes never trigger Python's cycle collector, so a trainer in a
+    reference cycle keeps its tables until some later collection: a process
+    that trains one model after another (a sweep, a benchmark) ran out of
+    memory at its tenth 2 GB model. The last reference gone, the trainer and
+    every table tensor are freed at once."""
+    import gc
+    import weakref
+
+    from recsys_cli.train.trainer import Trainer
+
+    overrides = {"trainer__max_steps": 12, "trainer__checkpoint_every": None, "trainer__final_checkpoint": False,
+                 "placement__kind": placement, "precision__kind": precision}
+    if placement != "device":
+        overrides.update(placement__cache_rows=2048)
+    if placement == "disk":
+        overrides.update(placement__disk_path=str(tmp_path / "disk"))
+    trainer = Trainer(config(tmp_path, **overrides), run_dir=tmp_path / "run")
+    trainer.fit()
+    refs = [weakref.ref(trainer), weakref.ref(trainer.embeddings), *(weakref.ref(g) for g in trainer.embeddings.groups)]
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+    finally:
+        gc.enable()
+    assert alive == []

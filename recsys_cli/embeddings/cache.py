@@ -97,6 +97,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,39 @@ class NeedsAverage(Exception):
     def __init__(self, batch: int) -> None:
         super().__init__(batch)
         self.batch = batch
+
+
+def _weak(method):
+    """`method` without a strong reference to its object: a SlotOrder holding
+    the cache's bound method would put the cache, and the tables of its
+    store, in a reference cycle that only the cyclic collector frees, which
+    tensors' bytes never trigger (a process building trainers one after
+    another, a sweep or a benchmark, ran out of memory)."""
+    ref = weakref.WeakMethod(method)
+    return lambda slots: ref()(slots)
+
+
+class _Protection:
+    """The slots of a batch's hits and of the batches in `history`, each with
+    the latest batch that holds it (its hits: the batch itself). The slots a
+    window starting at batch `first` protects are those held at or after
+    `first`; sorted like torch.unique of the window's slots, which they equal."""
+
+    def __init__(self, index: int, hits: torch.Tensor, history, row_of_slot: torch.Tensor) -> None:
+        parts = [hits, *(slots for _, slots, _ in history)]
+        holders = [torch.full((hits.numel(),), index, dtype=torch.int64),
+                   *(torch.full((slots.numel(),), batch, dtype=torch.int64) for batch, slots, _ in history)]
+        self.slots, inverse = torch.unique(torch.cat(parts), return_inverse=True)
+        self.latest = torch.full((self.slots.numel(),), -1, dtype=torch.int64).scatter_reduce_(
+            0, inverse, torch.cat(holders), "amax")
+        self.resident_latest = torch.sort(self.latest[row_of_slot[self.slots] >= 0]).values
+
+    def slots_from(self, first: int) -> torch.Tensor:
+        return self.slots[self.latest >= first]
+
+    def resident_from(self, first: int) -> int:
+        """How many of slots_from(first) hold a row."""
+        return self.resident_latest.numel() - int(torch.searchsorted(self.resident_latest, first))
 
 
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
@@ -177,8 +211,8 @@ class CachedGroup(TableGroup):
         self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if lfu_admission else None
         # Resident slots in eviction order (score, slot), and for LFU admission
         # by their rows' uses: a batch finds room without a pass over every slot.
-        self.victims = SlotOrder(cache_slots, self._score_of)
-        self.least_used = SlotOrder(cache_slots, self._uses_of) if lfu_admission else None
+        self.victims = SlotOrder(cache_slots, _weak(self._score_of))
+        self.least_used = SlotOrder(cache_slots, _weak(self._uses_of)) if lfu_admission else None
         self.clock = 0
         self.prepared = 0  # index of the next batch prepare() takes
         self.completed = 0  # batches the trainer is done with
@@ -267,7 +301,8 @@ class CachedGroup(TableGroup):
                 candidates = torch.nonzero(~torch.isin(misses, self._locked(index, self.window))).flatten()
                 chosen = torch.ones(candidates.numel(), dtype=torch.bool)
                 if candidates.numel() > self.num_free:  # not room for all in free slots: evict or turn away
-                    protected, available = self._protected(index, slots[hit], self.window)
+                    protected, available = self._protected(self._protection(index, slots[hit]), index,
+                                                           self.window)
                     if self.row_uses is not None:
                         chosen = self._admit(misses[candidates], protected, available)
                     room = self.num_free + available
@@ -390,15 +425,17 @@ class CachedGroup(TableGroup):
             return position
         return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
 
-    def _protected(self, index: int, hits: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+    def _protection(self, index: int, hits: torch.Tensor) -> "_Protection":
+        """What batch `index` may not evict, for every window at once."""
+        return _Protection(index, hits, self.history, self.row_of_slot)
+
+    def _protected(self, protection: "_Protection", index: int, window: int) -> tuple[torch.Tensor, int]:
         """(slots batch `index`, prepared with `window`, may not evict: those
         of the protected batches and its own hits, sorted; how many resident
         slots it may evict), from the batches in the window and the counters,
         never a pass over every slot."""
         first = self._first_unsafe(index - window)
-        protected = torch.unique(torch.cat([hits, *(slots for batch, slots, _ in self.history if batch >= first)]))
-        resident_protected = int((self.row_of_slot[protected] >= 0).sum())
-        return protected, self.capacity - self.num_free - resident_protected
+        return protection.slots_from(first), self.capacity - self.num_free - protection.resident_from(first)
 
     def _locked(self, index: int, window: int) -> torch.Tensor:
         """Rows batch `index` must not admit: the store serves them to a protected batch."""
@@ -409,9 +446,16 @@ class CachedGroup(TableGroup):
     def _make_room(self, index: int, hits: torch.Tensor, extra: int, unique: torch.Tensor):
         """(window, protected slots, evictable count) for batch `index` that needs
         `extra` slots beyond the free ones: the widest window whose unprotected rows suffice."""
+        # One pass over the window's history, then each narrower window is a
+        # binary search: a fresh union per window made a full cache cost
+        # O(window^2) batches of work per prepare (88 ms/step at window 32).
+        # Waiting changes neither the history nor residency (only prepare, on
+        # this thread, does); cache_avg's sync points may grow, so `first` is
+        # read after each wait.
+        protection = self._protection(index, hits)
         for window in range(self.window, -1, -1):
             self._wait_completed(index - window)
-            protected, available = self._protected(index, hits, window)
+            protected, available = self._protected(protection, index, window)
             if available >= extra:
                 return window, protected, available
         if self.sync_points is not None and self._first_unsafe(index) < index:

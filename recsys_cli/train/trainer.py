@@ -307,6 +307,9 @@ class Trainer:
                 yield from batches
             finally:  # also when the caller stops early (max_steps)
                 self.window_used.extend(batches.window_used)
+                # The stream holds self.pauses_at: kept, it would tie the
+                # trainer (and its tables) into a cycle only gc.collect frees.
+                self.stream = None
         if self.batch_in_epoch >= self.train_loader.num_batches:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 

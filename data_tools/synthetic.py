@@ -13,7 +13,8 @@ What is generated (all vectorised numpy, chunk by chunk, deterministic from
   Criteo-like per-feature rate); shards hold log(1 + max(x, 0)), missing -> 0.
 * 26 one-hot sparse features C1..C26 whose vocabulary sizes follow the Criteo
   Kaggle profile scaled by `cardinality_scale`:
-  vocab_f = min(card_f, max(min_vocab, ceil(card_f * cardinality_scale))).
+  vocab_f = min(card_f, max(min_vocab, ceil(card_f * cardinality_scale))), and
+  ceil(card_f * cardinality_scale) for a scale above 1 (larger than Kaggle).
   Id 0 means missing; present values are Zipf(`zipf_exponent`)-distributed
   ranks over 1..vocab_f-1, scattered over the id range by a fixed random
   permutation (the hottest id is not id 1).
@@ -137,6 +138,8 @@ def validate(cfg: SyntheticConfig) -> None:
         bad(f"rows must be >= 1, got {cfg.rows}")
     if not cfg.cardinality_scale > 0:
         bad(f"cardinality_scale must be > 0, got {cfg.cardinality_scale}")
+    if max(KAGGLE_CARDINALITIES) * cfg.cardinality_scale >= 2**31:  # ids are int32 in the generator
+        bad(f"cardinality_scale {cfg.cardinality_scale} makes a feature's vocabulary exceed 2**31 ids")
     if cfg.min_vocab < 2:
         bad(f"min_vocab must be >= 2 (id 0 is reserved for missing), got {cfg.min_vocab}")
     if not cfg.zipf_exponent > 0:
@@ -162,7 +165,11 @@ def validate(cfg: SyntheticConfig) -> None:
 
 
 def vocab_sizes(cfg: SyntheticConfig) -> list[int]:
-    """Vocabulary size (including id 0 = missing) of C1..C26."""
+    """Vocabulary size (including id 0 = missing) of C1..C26. Above 1 the
+    profile grows past Kaggle's (as Criteo Terabyte's hashing to tens of
+    millions of rows a feature would): tables larger than host memory."""
+    if cfg.cardinality_scale > 1:
+        return [math.ceil(c * cfg.cardinality_scale) for c in KAGGLE_CARDINALITIES]
     return [
         int(min(c, max(cfg.min_vocab, math.ceil(c * cfg.cardinality_scale))))
         for c in KAGGLE_CARDINALITIES

@@ -245,3 +245,16 @@ def test_default_dataset_concurrent_callers(tmp_path):
     load_manifest(outs[0])
     entries = sorted(e.name for e in tmp_path.iterdir() if not e.name.startswith("."))
     assert entries == [Path(outs[0]).name]
+
+
+def test_a_scale_above_one_grows_the_tables_past_kaggle(tmp_path):
+    """Disk-tier benchmarks need tables larger than memory: x12 multiplies
+    every vocabulary (no cap at Kaggle's; generating it is bench-sized, not
+    test-sized, so only the sizes are checked), and a scale whose ids would
+    overflow the generator's int32 is refused."""
+    cfg = SyntheticConfig(rows=2_000, cardinality_scale=12.0)
+    assert vocab_sizes(cfg) == [math.ceil(12 * c) for c in KAGGLE_CARDINALITIES]
+    assert sum(vocab_sizes(cfg)) > 400_000_000
+    with pytest.raises(UserError, match="2\\*\\*31"):
+        generate(SyntheticConfig(rows=100, cardinality_scale=1000.0), tmp_path / "huge")
+    assert not (tmp_path / "huge").exists()

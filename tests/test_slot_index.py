@@ -104,3 +104,44 @@ def test_large_keys_and_memory_sized_to_capacity():
     assert index.lookup(torch.tensor([6], device=TEST_DEVICE)).cpu().tolist() == [-1]
     assert index.nbytes() == SlotIndex(1000).nbytes() == 1000 * BYTES_PER_SLOT
     assert index.lookup(torch.zeros(0, dtype=torch.int64, device=TEST_DEVICE)).numel() == 0
+
+
+def _keys_with_home(index: SlotIndex, home: int, count: int) -> torch.Tensor:
+    homes = index._home(torch.arange(2_000_000, device=index.device)).cpu()
+    keys = torch.nonzero(homes == home).flatten()[:count]
+    assert keys.numel() == count
+    return keys
+
+
+def test_a_contested_bucket_goes_to_the_lowest_batch_position():
+    """Keys sharing a home bucket, inserted in one batch, take the buckets
+    from their home on in batch order, whatever order their values have: the
+    layout is a function of the batch, not of how the rounds ran."""
+    index = SlotIndex(64, TEST_DEVICE)
+    same = _keys_with_home(index, 100, 10)[torch.tensor([3, 0, 9, 1, 7, 2, 8, 4, 6, 5])]  # not sorted by key
+    index.insert(same.to(TEST_DEVICE), torch.arange(10, device=TEST_DEVICE))
+    assert torch.equal(index.keys[100:110].cpu(), same)
+    assert torch.equal(index.values[100:110].cpu(), torch.arange(10, dtype=torch.int32))
+    again = SlotIndex(64, TEST_DEVICE)
+    again.insert(same.to(TEST_DEVICE), torch.arange(10, device=TEST_DEVICE))
+    assert torch.equal(again.keys, index.keys) and torch.equal(again.values, index.values)
+
+
+def test_probe_chains_that_wrap_past_the_last_bucket():
+    """Keys homed at the last bucket, with a chain longer than a probe round's
+    window, wrap to bucket 0 and on; lookups and removes follow them, and a
+    key homed at bucket 0 probes past the wrapped ones."""
+    index = SlotIndex(16, TEST_DEVICE)
+    last = index.num_buckets - 1
+    tail = _keys_with_home(index, last, 12)
+    index.insert(tail.to(TEST_DEVICE), torch.arange(12, device=TEST_DEVICE))
+    assert index.keys[last].item() == tail[0].item()
+    assert torch.equal(index.keys[:11].cpu(), tail[1:])
+    head = _keys_with_home(index, 0, 3)
+    index.insert(head.to(TEST_DEVICE), torch.tensor([20, 21, 22], device=TEST_DEVICE))
+    ref = {**dict(zip(tail.tolist(), range(12))), **dict(zip(head.tolist(), [20, 21, 22]))}
+    _check(index, ref, 2_000_000)
+    assert index.remove(tail[2:9].to(TEST_DEVICE)) == 7
+    for k in tail[2:9].tolist():
+        del ref[k]
+    _check(index, ref, 2_000_000)

@@ -7,12 +7,14 @@ open-addressing hash table of int64 keys (fused row ids) with linear probing,
 sized once to the cache: 4C buckets, so it is never more than a quarter full
 and costs 48 bytes per slot (BYTES_PER_SLOT), never anything per table row.
 
-Every operation is vectorised over a batch of keys: a probe round looks up
-all still-unresolved keys at once (a window of buckets each, for lookups),
-and the rounds stop when none is left, so the Python loop runs a few times
-per call, never once per id.
-Inserts resolve collisions within a batch deterministically: the lowest
-batch position wins a contested empty bucket, the others probe on. Removal
+Every operation is vectorised over a batch of keys: a probe round reads a
+window of _WINDOW buckets for every still-unresolved key at once, and the
+rounds stop when none is left, so the Python loop runs once or twice per
+call, never once per id (a batch's prepare makes three such calls: its
+cost is the number of torch ops, not their size).
+Inserts resolve collisions within a batch deterministically: each key claims
+the first free bucket of its window, the lowest batch position wins a
+contested one, the others probe on past it. Removal
 leaves a tombstone (lookups probe past it, inserts reuse it); when live
 entries plus tombstones pass half of the buckets the table is rebuilt from its
 live entries, so probe chains stay short under any insert/remove pattern.
@@ -32,7 +34,7 @@ from recsys_cli.embeddings.counter import MASK32, mul32
 EMPTY = -1
 TOMBSTONE = -2
 _MAX_FILL = 0.5  # live + tombstones above this fraction of the buckets: rebuild
-_WINDOW = 4  # buckets a lookup probes per round
+_WINDOW = 8  # buckets a probe round reads per key
 _GOLDEN = 0x9E3779B1  # 2**32 / the golden ratio, odd
 BUCKETS_PER_SLOT = 4
 BYTES_PER_SLOT = BUCKETS_PER_SLOT * (8 + 4)  # an int64 key and an int32 value per bucket
@@ -48,7 +50,7 @@ class SlotIndex:
         self.capacity = capacity
         self.device = torch.device(device)
         self.num_buckets = BUCKETS_PER_SLOT * capacity  # < 2**31: the home bucket's product stays in int64
-        self._steps = torch.arange(_WINDOW, device=self.device)
+        self._steps = torch.arange(_WINDOW, device=self.device).unsqueeze(1)  # a column: windows are [_WINDOW, n]
         self.keys = torch.full((self.num_buckets,), EMPTY, dtype=torch.int64, device=self.device)
         # Slots fit in int32 (a cache has far fewer than 2**31 slots).
         self.values = torch.full((self.num_buckets,), -1, dtype=torch.int32, device=self.device)
@@ -66,27 +68,44 @@ class SlotIndex:
         folded to 32 bits, scaled to the bucket count (h * buckets / 2**32)."""
         return (mul32((keys ^ (keys >> 32)) & MASK32, _GOLDEN) * self.num_buckets) >> 32
 
+    def _window(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The _WINDOW buckets from each of `pos` and the keys in them, as
+        [_WINDOW, n]: a reduction over the window is then a column-wise max,
+        which torch runs as one vectorised pass over n (argmax over short
+        rows costs several times more)."""
+        window = (pos + self._steps) % self.num_buckets
+        return window, self.keys.index_select(0, window.view(-1)).view(window.shape)
+
+    @staticmethod
+    def _first(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whether each column of a [_WINDOW, n] mask has a True, the row of
+        its first True): torch's max over a dim returns the first maximum."""
+        found, first = mask.view(torch.uint8).max(0)
+        return found.view(torch.bool), first
+
     def _find(self, keys: torch.Tensor) -> torch.Tensor:
         """The bucket holding each key, -1 where it is absent. Probes a window
         of _WINDOW buckets per round: at a quarter full nearly every chain
         ends inside the first window, so one round resolves almost all keys."""
-        found = torch.full(keys.shape, -1, dtype=torch.int64, device=self.device)
-        at = torch.arange(keys.numel(), device=self.device)  # batch positions still probing
+        found = None
+        at = None  # batch positions still probing (None: all of them)
         want = keys
         pos = self._home(keys)
-        while at.numel():
-            window = (pos.unsqueeze(1) + self._steps) % self.num_buckets
-            seen = self.keys.index_select(0, window.flatten()).view(window.shape)
-            hit = seen == want.unsqueeze(1)
-            ends = hit | (seen == EMPTY)  # an empty bucket ends the chain; a tombstone does not
-            first = ends.to(torch.int8).argmax(1, keepdim=True)  # the first end in the window
-            ended = ends.any(1)
-            at_hit = hit.gather(1, first).squeeze(1)
-            found.index_copy_(0, at, torch.where(at_hit, window.gather(1, first).squeeze(1), -1))
+        while True:
+            window, seen = self._window(pos)
+            ended, first = self._first((seen == want) | (seen == EMPTY))  # an empty bucket ends the chain; a tombstone does not
+            end = (pos + first) % self.num_buckets
+            result = torch.where(self.keys.index_select(0, end) == want, end, -1)
+            if found is None:
+                found = result
+            else:
+                found.index_copy_(0, at, result)
             going = torch.nonzero(~ended).flatten()
-            at, want = at.index_select(0, going), want.index_select(0, going)
+            if going.numel() == 0:
+                return found
+            at = going if at is None else at.index_select(0, going)
+            want = want.index_select(0, going)
             pos = (pos.index_select(0, going) + _WINDOW) % self.num_buckets
-        return found
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 values of `keys` (any shape), -1 where a key is absent."""
@@ -111,28 +130,44 @@ class SlotIndex:
             raise ValueError(f"slot index full: {self.size} + {n} keys exceed its capacity of {self.capacity}")
         if self.size + self.tombstones + n > _MAX_FILL * self.num_buckets:
             self._rebuild()
-        at = torch.arange(n, device=self.device)
+        self._place(keys, values)
+        self.size += n
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put keys (absent from the index) into free buckets. A probe round
+        looks at a window of _WINDOW buckets per key, as _find does, and each
+        key claims the first free bucket of its window; of the keys that
+        claim one bucket in a round, the lowest batch position takes it (a
+        min over positions: order-free, so the layout is deterministic) and
+        the others probe on past it. Every bucket a key skipped was occupied,
+        so its chain from home has no empty bucket: _find reaches it."""
+        at = torch.arange(keys.numel(), device=self.device, dtype=torch.int32)  # batch positions still placing
         pos = self._home(keys)
-        reused = 0
-        while at.numel():
-            seen = self.keys[pos]
-            free = torch.nonzero((seen == EMPTY) | (seen == TOMBSTONE)).flatten()
-            # Of the keys that reached the same free bucket this round, the
-            # lowest batch position takes it (a stable sort keeps `at`'s order).
-            order = torch.argsort(pos[free], stable=True)
-            free = free[order]
-            first = torch.ones(free.numel(), dtype=torch.bool, device=self.device)
-            first[1:] = pos[free[1:]] != pos[free[:-1]]
-            won = free[first]
-            won_pos = pos[won]
-            reused += int((seen[won] == TOMBSTONE).sum())
-            self.keys[won_pos] = keys[at[won]]
-            self.values[won_pos] = values[at[won]]
+        reused = torch.zeros((), dtype=torch.int64, device=self.device)
+        while True:
+            window, seen = self._window(pos)
+            has_free, first = self._first(seen < 0)  # EMPTY or TOMBSTONE
+            bucket = (pos + first) % self.num_buckets
+            claims = torch.nonzero(has_free).flatten()
+            claimed = bucket.index_select(0, claims)
+            claimant = at.index_select(0, claims)
+            # A free bucket's value is -1 and never read: the claimants'
+            # lowest position goes there, and the claimant that finds its own wins.
+            self.values.scatter_reduce_(0, claimed, claimant, "amin", include_self=False)
+            won_mask = self.values.index_select(0, claimed) == claimant
+            won, won_bucket = claims[won_mask], claimed[won_mask]
+            reused += (self.keys.index_select(0, won_bucket) == TOMBSTONE).sum()
+            self.keys.index_copy_(0, won_bucket, keys.index_select(0, won))
+            self.values.index_copy_(0, won_bucket, values.index_select(0, won))
+            if won.numel() == at.numel():
+                break
+            # Losers probe on after the bucket they lost, the others after their window.
             going = torch.ones(at.numel(), dtype=torch.bool, device=self.device)
             going[won] = False
-            at, pos = at[going], (pos[going] + 1) % self.num_buckets
-        self.size += n
-        self.tombstones -= reused
+            going = torch.nonzero(going).flatten()
+            pos = torch.where(has_free, bucket + 1, pos + _WINDOW).index_select(0, going) % self.num_buckets
+            at, keys, values = at.index_select(0, going), keys.index_select(0, going), values.index_select(0, going)
+        self.tombstones -= int(reused)
 
     def remove(self, keys: torch.Tensor) -> int:
         """Remove the keys that are in the index (others are ignored); the number removed."""

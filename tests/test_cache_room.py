@@ -166,12 +166,12 @@ def test_victims_are_the_top_k_over_every_slot(policy):
 
 
 def test_protection_equals_the_union_of_each_window():
-    """_Protection answers every window from one merge: the same sorted slots
-    as torch.unique over the window's batches and the hits, and the same
-    count of resident ones."""
+    """_Protection answers every window from one merge: the same slots (as a
+    set) as torch.unique over the window's batches and the hits, and the same
+    count of resident ones; its scratch is left as it found it."""
     from collections import deque
 
-    from recsys_cli.embeddings.cache import _Protection
+    from recsys_cli.embeddings.cache import _UNSET, _Protection
 
     gen = torch.Generator().manual_seed(3)
     capacity, index = 500, 40
@@ -179,10 +179,12 @@ def test_protection_equals_the_union_of_each_window():
                     for b in range(24, index))
     hits = torch.randint(0, capacity, (30,), generator=gen)
     row_of_slot = torch.where(torch.rand(capacity, generator=gen) < 0.8, torch.arange(capacity), -1)
-    protection = _Protection(index, hits, history, row_of_slot)
+    scratch = torch.full((capacity,), _UNSET, dtype=torch.int64)
+    protection = _Protection(index, hits, history, row_of_slot, scratch)
+    assert bool((scratch == _UNSET).all())
     for first in range(20, index + 1):  # first <= index: a batch always protects its hits
         union = torch.unique(torch.cat([hits, *(s for b, s, _ in history if b >= first)]))
-        assert torch.equal(protection.slots_from(first), union)
+        assert torch.equal(torch.sort(protection.slots_from(first)).values, union)
         assert protection.resident_from(first) == int((row_of_slot[union] >= 0).sum())
 
 

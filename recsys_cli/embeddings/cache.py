@@ -141,27 +141,50 @@ def _weak(method):
     return lambda slots: ref()(slots)
 
 
+_UNSET = torch.iinfo(torch.int64).max
+
+
 class _Protection:
     """The slots of a batch's hits and of the batches in `history`, each with
     the latest batch that holds it (its hits: the batch itself). The slots a
     window starting at batch `first` protects are those held at or after
-    `first`; sorted like torch.unique of the window's slots, which they equal."""
+    `first`: as a set, torch.unique of the window's slots (in no particular
+    order: they only mark slots in the victim search).
 
-    def __init__(self, index: int, hits: torch.Tensor, history, row_of_slot: torch.Tensor) -> None:
-        parts = [hits, *(slots for _, slots, _ in history)]
-        holders = [torch.full((hits.numel(),), index, dtype=torch.int64),
-                   *(torch.full((slots.numel(),), batch, dtype=torch.int64) for batch, slots, _ in history)]
-        self.slots, inverse = torch.unique(torch.cat(parts), return_inverse=True)
-        self.latest = torch.full((self.slots.numel(),), -1, dtype=torch.int64).scatter_reduce_(
-            0, inverse, torch.cat(holders), "amax")
-        self.resident_latest = torch.sort(self.latest[row_of_slot[self.slots] >= 0]).values
+    Without a sort (a sort of the window's few thousand entries cost most of
+    a prepare's room search): every entry's code, (age << 32) | position with
+    age = index - holder, is min-scattered into `scratch` (one int64 per
+    cache slot, _UNSET between calls, reset here at the entries touched), and
+    the entry that finds its own code there is its slot's latest holding.
+    Resident slots are counted by age, so a window's count is a prefix sum."""
+
+    def __init__(self, index: int, hits: torch.Tensor, history, row_of_slot: torch.Tensor,
+                 scratch: torch.Tensor | None = None) -> None:
+        scratch = torch.full(row_of_slot.shape, _UNSET, dtype=torch.int64) if scratch is None else scratch
+        slots = torch.cat([hits, *(slots for _, slots, _ in history)])
+        age = torch.cat([torch.zeros(hits.numel(), dtype=torch.int64),
+                         *(torch.full((held.numel(),), index - batch, dtype=torch.int64) for batch, held, _ in history)])
+        code = (age << 32) | torch.arange(slots.numel())
+        scratch.scatter_reduce_(0, slots, code, "amin")
+        latest_at = torch.nonzero(scratch.index_select(0, slots) == code).flatten()
+        scratch.index_fill_(0, slots, _UNSET)
+        self.index = index
+        self.slots = slots.index_select(0, latest_at)
+        age = age.index_select(0, latest_at)
+        self.latest = index - age
+        # resident_within[a]: resident slots whose latest holder is at most a batches old.
+        oldest = history[0][0] if history else index
+        self.resident_within = torch.bincount(age[row_of_slot[self.slots] >= 0], minlength=index - oldest + 1).cumsum(0)
 
     def slots_from(self, first: int) -> torch.Tensor:
         return self.slots[self.latest >= first]
 
     def resident_from(self, first: int) -> int:
         """How many of slots_from(first) hold a row."""
-        return self.resident_latest.numel() - int(torch.searchsorted(self.resident_latest, first))
+        age = self.index - first
+        if age < 0:
+            return 0
+        return int(self.resident_within[min(age, self.resident_within.numel() - 1)])
 
 
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
@@ -202,6 +225,7 @@ class CachedGroup(TableGroup):
         self.pins = torch.zeros(cache_slots, dtype=torch.int32)
         self.dirty = torch.zeros(cache_slots, dtype=torch.bool)
         self.score = torch.zeros(cache_slots, dtype=torch.int64)  # lru: last use clock; lfu: uses
+        self._protection_scratch = torch.full((cache_slots,), _UNSET, dtype=torch.int64)  # _Protection's, between calls all _UNSET
         # A stack of free slots: the top `num_free` entries.
         self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int64)
         self.num_free = cache_slots
@@ -427,11 +451,11 @@ class CachedGroup(TableGroup):
 
     def _protection(self, index: int, hits: torch.Tensor) -> "_Protection":
         """What batch `index` may not evict, for every window at once."""
-        return _Protection(index, hits, self.history, self.row_of_slot)
+        return _Protection(index, hits, self.history, self.row_of_slot, self._protection_scratch)
 
     def _protected(self, protection: "_Protection", index: int, window: int) -> tuple[torch.Tensor, int]:
         """(slots batch `index`, prepared with `window`, may not evict: those
-        of the protected batches and its own hits, sorted; how many resident
+        of the protected batches and its own hits, in no particular order; how many resident
         slots it may evict), from the batches in the window and the counters,
         never a pass over every slot."""
         first = self._first_unsafe(index - window)
@@ -808,7 +832,7 @@ class CachedGroup(TableGroup):
 
     def memory(self) -> list[tuple[str, str, int]]:
         cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4
-        index = [self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots]
+        index = [self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots, self._protection_scratch]
         if self.row_uses is not None:
             index.append(self.row_uses)
         index_bytes = self.slot_index.nbytes() + sum(t.numel() * t.element_size() for t in index)

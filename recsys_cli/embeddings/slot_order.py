@@ -47,7 +47,7 @@ class SlotOrder:
         self._entries = 0
 
     def push(self, slots: torch.Tensor, keys: torch.Tensor | int) -> None:
-        """The slots now have these keys (one key for all, or one per slot)."""
+        """The slots (distinct) now have these keys (one key for all, or one per slot)."""
         if slots.numel() == 0:
             return
         if isinstance(keys, int):
@@ -86,17 +86,22 @@ class SlotOrder:
             for key in sorted(self._buckets):
                 if need <= 0:
                     break
-                entries = torch.cat(self._buckets[key])
+                segments = self._buckets[key]
+                entries = torch.cat(segments) if len(segments) > 1 else segments[0]
                 entries = entries[self.current(entries) == key]
-                entries = entries[self._first_copy(entries)]
-                free = entries[~self._mask[entries]]
+                if len(segments) > 1:  # one push names a slot once: only segments repeat slots
+                    entries = entries[self._first_copy(entries)]
+                protected_here = self._mask[entries]
+                free = entries[~protected_here]
                 if free.numel() > need:  # the lowest slots of the bucket: O(bucket), no sort of it
                     free = torch.topk(free, need, largest=False, sorted=False).values
+                    self._taken[free] = True
+                    rest = entries[~self._taken[entries]]
+                    self._taken[free] = False
+                else:  # every unprotected entry is taken
+                    rest = entries[protected_here]
                 out.append(free)
                 need -= free.numel()
-                self._taken[free] = True
-                rest = entries[~self._taken[entries]]
-                self._taken[free] = False
                 self._entries -= sum(t.numel() for t in self._buckets[key]) - rest.numel()
                 if rest.numel():
                     self._buckets[key] = [rest]

@@ -222,3 +222,14 @@ def test_shrinking_window_merges_the_history_once():
         assert sum(unique_calls) <= (16 + 1 + 1) * batch
     # capacity 2,000 = 5 batches: the window holds 4 earlier batches and this one
     assert windows[-10:] == [4] * 10
+
+
+def test_the_planners_index_bytes_are_what_a_lookahead_cache_holds():
+    """The planner's host bytes per slot for a cache's index (planner.py)
+    equal what a lookahead cache reports in memory(), so a new per-slot
+    tensor (the room search's scratch) cannot leave the plans short."""
+    from recsys_cli.embeddings.planner import INDEX_BYTES_PER_SLOT
+
+    group = _group("lru", lookahead=True, precision="fp32")
+    index_bytes = [n for tier, what, n in group.memory() if what == "index"]
+    assert index_bytes == [INDEX_BYTES_PER_SLOT * SLOTS]

@@ -74,9 +74,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 # Host bytes of a cache's index (CachedGroup), all per slot (a lookahead
 # cache has no LFU admission, so no per-row row_uses): the slot index (a hash
 # map sized to the cache), row_of_slot (int64), pins (int32), dirty (bool),
-# score (int64), free_slots (int64).
+# score (int64), free_slots (int64), the room search's scratch (int64, _Protection).
 INDEX_BYTES_PER_ROW = 0
-INDEX_BYTES_PER_SLOT = SLOT_INDEX_BYTES_PER_SLOT + 8 + 4 + 1 + 8 + 8
+INDEX_BYTES_PER_SLOT = SLOT_INDEX_BYTES_PER_SLOT + 8 + 4 + 1 + 8 + 8 + 8
 # Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
 HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
 

@@ -163,7 +163,7 @@ def benchmark_2(rows: int, scale: float, batch: int, steps: int, ratio: float, p
                 raise SystemExit(result.stderr[-3000:])
             r = json.loads(result.stdout.strip().splitlines()[-1])
             cache = r.pop("cache")
-            row = {"scale": scale, "precision": precision, "steps": steps, **r,
+            row = {"scale": scale, "precision": precision, "host cache ratio": ratio, "steps": steps, **r,
                    "disk MiB read/step": cache["disk_bytes_read_per_step"] / 2**20,
                    "trainer waited ms/step": 1000 * cache["disk_wait_seconds_per_step"],
                    "wall s": time.perf_counter() - start, "load avg": os.getloadavg()[0],
@@ -195,7 +195,8 @@ def main() -> None:
         rows = benchmark_2(args.rows, args.large_scale, args.batch, args.large_steps, args.large_host_cache_ratio,
                            ["fp32", "int8"])
         cmd = (f"python -m bench.disk_bench --large --rows {args.rows} --large-scale {args.large_scale} "
-               f"--large-steps {args.large_steps} --batch {args.batch}")
+               f"--large-steps {args.large_steps} --batch {args.batch} "
+               f"--large-host-cache-ratio {args.large_host_cache_ratio}")
         section = "Disk tier: tables beyond memory (disk placement, dim 16, Adagrad)"
         note = ("Goal (issue 17): Kaggle cardinalities x12 (about 26 GB) completes under a 4 GB host budget at "
                 ">= 0.5x benchmark 1's host run. Peak RSS per process. Machine memory and disk: see the rows.")

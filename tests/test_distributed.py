@@ -33,6 +33,7 @@ RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placement__window=4)
 DISK = {**LOOKAHEAD, "placement__kind": "disk", "placement__host_cache_rows": 16}
+CACHE_AVG_EARLY = dict(placement__cache_rows=1200, trainer__embedding_sync="cache_avg", trainer__sync_every=10)
 DCN_SCHEDULE = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8,
                     optimizer__schedule="warmup_poly", optimizer__warmup_steps=5)
 
@@ -132,6 +133,9 @@ def runs(cache_dir, tmp_path_factory):
         "disk": config(cache_dir, **DISK, placement__disk_path=str(live)),
         "disk_int8": config(cache_dir, **{**DISK, "placement__cache_rows": 600}, precision__kind="int8",
                             placement__disk_path=str(live)),
+        # cache_avg with a cache that fills up between syncs: rank 0 asks for early averages to free slots
+        "cache_avg_early": config(cache_dir, **{**LOOKAHEAD, **CACHE_AVG_EARLY}),
+        "disk_cache_avg_early": config(cache_dir, **{**DISK, **CACHE_AVG_EARLY}, placement__disk_path=str(live)),
     }
     start = time.perf_counter()
     ranks = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])
@@ -156,11 +160,17 @@ def test_grad_sync_equals_one_process_with_the_global_batch(runs, reference, pla
 
 
 @pytest.mark.slow  # several processes
-@pytest.mark.parametrize("disk, memory", [("disk", "lookahead"), ("disk_int8", "lookahead_int8")])
+@pytest.mark.parametrize("disk, memory", [("disk", "lookahead"), ("disk_int8", "lookahead_int8"),
+                                          ("disk_cache_avg_early", "cache_avg_early")])
 def test_disk_tier_in_two_processes_equals_host_tables(runs, disk, memory):
     """Tables on disk behind the same lookahead cache train exactly as host
-    tables do, with gradient sync over two processes, in fp32 and int8."""
+    tables do over two processes: with gradient sync in fp32 and int8, and
+    with cache_avg (rank 0's store fills every rank's cache; evicted rows are
+    written back with their averaged values)."""
     assert runs[disk]["stores"] == ["DiskRowStore"] and "DiskRowStore" not in runs[memory]["stores"]
+    assert runs[disk]["distributed"] == runs[memory]["distributed"]
+    if "cache_avg" in disk:
+        assert runs[disk]["distributed"]["early_syncs"] > 0
     assert runs[disk]["losses"] == runs[memory]["losses"]
     for key, value in runs[memory]["weights"].items():
         assert torch.equal(runs[disk]["weights"][key], value), key

@@ -20,8 +20,8 @@ from recsys_cli.train.checkpoint import load_checkpoint
 from test_resume_exact import RECSYS, SMALL, assert_identical, records, recsys
 
 DISK = ["+placement=disk", "placement.host_cache_rows=50", "placement.cache_ratio=0.2", "trainer.batch_size=64",
-        "optimizer=adagrad", "+precision=int8", "trainer.progress=false", "trainer.checkpoint_every=30",
-        "trainer.log_every=10", "trainer.eval_every=60"]
+        "optimizer=adagrad", "trainer.progress=false", "trainer.checkpoint_every=30", "trainer.log_every=10",
+        "trainer.eval_every=60"]
 
 
 def final_state(run: Path, steps: int) -> dict:
@@ -34,9 +34,16 @@ def final_state(run: Path, steps: int) -> dict:
     return state
 
 
-def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("mode", [
+    pytest.param(["+precision=int8"], id="int8"),
+    # every rank has its own live file; rank 0 writes the checkpoint's chain, every rank resumes from it
+    pytest.param(["+precision=int8", "trainer.nproc=2"], id="int8-2-processes", marks=pytest.mark.slow),
+    pytest.param(["trainer.nproc=2", "trainer.embedding_sync=cache_avg", "trainer.sync_every=3"],
+                 id="cache_avg-2-processes", marks=pytest.mark.slow),
+])
+def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path, mode):
     steps = 90
-    args = [*SMALL, *DISK, f"trainer.max_steps={steps}", f"placement.disk_path={tmp_path / 'live'}"]
+    args = [*SMALL, *DISK, *mode, f"trainer.max_steps={steps}", f"placement.disk_path={tmp_path / 'live'}"]
     work = tmp_path / "work"
     work.mkdir()
     recsys(args, work, "a")

@@ -80,8 +80,9 @@ def test_report_of_a_real_sweep(real_sweep, tmp_path):
 # --- sweeps written by hand: every shape the report must handle -----------------------------------
 def write_run(run_dir: Path, overrides: list[str], placement="device", precision="fp32", window=4, cache_rows=None,
               sps=20_000.0, auc=0.74, steps=100, cache_slots=None, hit_rate=None, phase_scale=1.0,
-              steady=True) -> None:
-    """A run directory as the trainer leaves it: summary.json, metrics.jsonl, .hydra/overrides.yaml."""
+              steady=True, disk: dict | None = None) -> None:
+    """A run directory as the trainer leaves it: summary.json, metrics.jsonl, .hydra/overrides.yaml;
+    disk: the disk tier's cache statistics (+placement=disk), with "disk_bytes" on disk."""
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     cache = {}
@@ -108,6 +109,10 @@ def write_run(run_dir: Path, overrides: list[str], placement="device", precision
                                  "policy": "lru", "overrides": {}, "device_max_rows": None, "device_memory_budget": None},
                    "precision": {"kind": precision}},
     }
+    if disk is not None:
+        disk = dict(disk)
+        summary["embedding_bytes"]["disk"] = disk.pop("disk_bytes")
+        summary["cache"].update(disk)
     if steady:  # a summary with the steady-state figure (train/throughput.py); older ones have none
         wall = steps * 128 / sps + 3.0
         summary["throughput"] = {"steady_samples_per_second": sps, "wall_seconds": wall, "eval_seconds": 2.0,
@@ -272,3 +277,23 @@ def test_steady_state_throughput_is_shown_as_such_and_older_summaries_are_not_pa
     assert float(new["samples_per_second"]) == 20_000 and float(new["eval_seconds"]) == 2.0
     assert float(new["wall_samples_per_second"]) == pytest.approx(100 * 128 / (100 * 128 / 20_000 + 3.0))
     assert old["samples_per_second"] == "" and float(old["wall_samples_per_second"]) == 15_000
+
+
+def test_the_console_shows_the_disk_tier_when_a_run_has_one(tmp_path):
+    root = tmp_path / "multirun"
+    write_run(root / "0", ["+placement=lookahead"], placement="lookahead", cache_slots=500, hit_rate=0.9)
+    console = Console(width=300, record=True)
+    build_report(root, console=console, plots=False)
+    assert "disk tier" not in console.export_text()  # no run has one
+    write_run(root / "1", ["+placement=disk"], placement="disk", cache_slots=500, hit_rate=0.9,
+              disk={"disk_bytes": 3 << 30, "disk_bytes_read_per_step": 540_000, "disk_bytes_written_per_step": 2048,
+                    "disk_read_amplification": 4.3, "host_cache_hit_rate": 0.125, "disk_wait_seconds_per_step": 0.0021})
+    console = Console(width=300, record=True)
+    build_report(root, console=console, plots=False)
+    text = console.export_text()
+    disk_table = text[text.index("disk tier"):]
+    (line,) = [ln for ln in disk_table.splitlines() if "placement=disk" in ln]
+    for cell in ("3.0 GiB", "527 KiB", "2.0 KiB", "4.30", "0.125", "2.1"):
+        assert cell in line, (cell, line)
+    assert "placement=lookahead" not in disk_table  # only runs with a disk tier
+    assert "read amp" in disk_table and "wait ms/step" in disk_table

@@ -69,8 +69,9 @@ def _packed_tables(title: str, headers: list[str], cells: list[list[str]], width
 
 
 def console_tables(rows: list[dict], root: Path, width: int | None = None) -> list:
-    """The rich tables `recsys report` prints: metrics per run, seconds per phase;
-    each split by columns to fit `width` (no limit when None)."""
+    """The rich tables `recsys report` prints: metrics per run, seconds per phase
+    and, when a run has tables on disk, the disk tier's figures; each split by
+    columns to fit `width` (no limit when None)."""
     cells = [
         [r["run"], f"{r['placement']}/{r['precision']}", _fmt(r["val_auc"], ".4f"), _fmt(r["val_logloss"], ".4f"),
          _fmt(r["samples_per_second"]), format_bytes(r["device_bytes"]), format_bytes(r["host_bytes"]),
@@ -92,5 +93,16 @@ def console_tables(rows: list[dict], root: Path, width: int | None = None) -> li
         cells.append([r["run"], _fmt(r["steps"]), *(_fmt(v, ".2f") for v in values), f"{total:.2f}"])
     headers = ["run", "steps", *(PHASE_SHORT.get(p, p.replace("_", " ")) for p in phases), "total"]
     tables += _packed_tables("seconds per phase (whole run)", headers, cells, width)
+    disk = [r for r in rows if r.get("disk_bytes")]
+    if disk:  # only when some run keeps tables on disk (+placement=disk)
+        wait_ms = lambda s: None if s is None else s * 1000  # noqa: E731
+        cells = [[r["run"], format_bytes(r["disk_bytes"]), format_bytes(r["disk_bytes_read_per_step"]),
+                  format_bytes(r["disk_bytes_written_per_step"]), _fmt(r["disk_read_amplification"], ".2f"),
+                  _fmt(r["host_cache_hit_rate"], ".3f"), _fmt(wait_ms(r["disk_wait_seconds_per_step"]), ".1f")]
+                 for r in disk]
+        headers = ["run", "on disk", "read/step", "written/step", "read amp", "host hit rate", "wait ms/step"]
+        caption = ("read amp: bytes read from disk per row byte needed; host hit rate: the disk store's host "
+                   "cache hits per row it served; wait: the trainer's time on the disk store per step")
+        tables += _packed_tables("disk tier", headers, cells, width, caption)
     return tables
 

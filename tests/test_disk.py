@@ -49,3 +49,64 @@ def test_low_precision_on_disk_equals_host(precision, tmp_path):
     disk = run(BATCHES, {"kind": "disk", **cache, "host_cache_rows": TINY_HOST_CACHE, "disk_path": str(tmp_path)},
                {"kind": precision}, optimizer="adagrad")
     assert_equal(disk, host)
+
+
+def test_the_trainer_never_waits_on_the_prefetchers_disk_io(tmp_path):
+    """While the prefetch thread's prepare() is blocked inside a disk read,
+    the trainer releases and completes batches: the cache's lock is not held
+    across the store's I/O. Evaluation's read() meanwhile waits for the fill
+    instead of seeing rows that are neither in a slot nor current in the store."""
+    import threading
+
+    from recsys_cli.embeddings.cache import CachedGroup
+
+    model, _ = build({"kind": "disk", "cache_rows": SMALL_CACHE, "window": 2, "host_cache_rows": TINY_HOST_CACHE,
+                      "disk_path": str(tmp_path)})
+    (group,) = [g for g in model.embeddings.groups if isinstance(g, CachedGroup)]
+    at = model.embeddings.groups.index(group)
+    first, second = (model.embeddings.plan_batch(b).plans[at] for b in BATCHES[:2])
+    group.prepare(first)
+    in_read, go_on, read_gave_up = threading.Event(), threading.Event(), threading.Event()
+    real_read = group.store.read
+
+    def blocked_read(ids):  # the disk read of the second batch's misses, held until the test says so
+        in_read.set()
+        if not go_on.wait(120):  # a lock held across this read keeps the trainer from ever saying so
+            read_gave_up.set()
+        return real_read(ids)
+
+    group.store.read = blocked_read
+    failed = []
+
+    def prefetcher():
+        try:
+            group.prepare(second)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            failed.append(e)
+            in_read.set()
+
+    prefetch = threading.Thread(target=prefetcher)
+    prefetch.start()
+    in_read.wait()
+    assert not failed, failed
+    group.release(first)  # the trainer's thread, while the disk read is in progress
+    assert group.completed == 1 and not read_gave_up.is_set(), "release() waited on the prefetcher's disk read"
+    evaluated = []
+
+    def evaluate():
+        rows = group.read(second.unique)
+        evaluated.append((go_on.is_set(), rows))
+
+    reader = threading.Thread(target=evaluate)
+    reader.start()
+    reader.join(1)  # time to get to the lock
+    go_on.set()
+    prefetch.join()
+    reader.join()
+    assert not read_gave_up.is_set()
+    (after_the_fill, rows), = evaluated
+    assert after_the_fill, "read() went ahead while rows were moving between the store and the cache"
+    group.check_ownership()
+    assert bool((group.slot_index.lookup(second.unique) >= 0).all())
+    assert torch.equal(rows, group.read(second.unique))
+

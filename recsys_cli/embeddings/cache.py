@@ -78,7 +78,11 @@ without a slot, and, after every prepare, that slot and row maps agree.
 
 Concurrency: the lookahead prefetcher calls prepare() on its own thread while
 the trainer gathers, updates and releases; one lock guards the slot maps and
-a condition variable wakes a prefetcher waiting for completed batches. On
+a condition variable wakes a prefetcher waiting for completed batches. The
+lock is not held while prepare() reads and writes the store (a disk store's
+I/O): it decides and reserves under the lock, moves rows to and from the
+store without it, and publishes under it again (why that keeps one owner per
+row: the comment in prepare). On
 CUDA the fill copies run on a side stream from pinned staging buffers.
 Ordering is by events, through the device runtime (device.py), so CPU tests
 check it with a recording runtime: every reader of a slot waits for its fill
@@ -246,6 +250,7 @@ class CachedGroup(TableGroup):
         self.sync_points: list[int] | None = None  # cache_avg: steps after which rows were averaged
         self.last_window = self.window
         self.inflight = 0  # plans pinned and not yet released
+        self.moving = False  # a prepare() is reading or writing the store, lock released
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.counters = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
@@ -339,11 +344,43 @@ class CachedGroup(TableGroup):
                 if need > self.num_free:
                     self.last_window, protected, available = self._make_room(
                         index, slots[hit], need - self.num_free, unique)
+            leaving = None  # evicted dirty rows: (rows, values, state) for the store
             if need > self.num_free:
-                self._evict(need - self.num_free, protected, available, index)
+                leaving = self._evict(need - self.num_free, protected, available)
             self.num_free -= need
             new_slots = self.free_slots[self.num_free : self.num_free + need].clone()
-            self._load(misses[admitted], new_slots)
+            arriving = misses[admitted]
+            if self.debug:
+                assert not bool(self.slot_index.contains(arriving).any()), "loading a row that already has a slot"
+            self.moving = True
+        # The store's I/O (a disk store's reads and write-backs) runs without
+        # the lock, so the trainer's release() and complete() never wait on
+        # the disk. Safe by invariant 1: the rows moved here have no owner the
+        # step can reach meanwhile. Leaving rows were unpinned and unprotected,
+        # so no batch in flight uses them (in flight are only batches this
+        # one protects, and cache_avg's rows awaiting an average are
+        # protected too); arriving rows are in no batch in flight either (a
+        # lookahead cache never admits a row the store serves to a protected
+        # batch, and the others have no batch in flight), and their slots are
+        # reserved: off the free stack, in no slot map, so nothing else takes,
+        # reads or evicts them. The store copy of a leaving row is written
+        # before any later prepare (this thread) can load it again. Readers
+        # outside the step (read, snapshots, invalidate) wait until no prepare
+        # is `moving` (_settled): to them a leaving row's only current value
+        # is in flight to the store.
+        try:
+            if leaving is not None:
+                self.store.write(*leaving, index)
+            values = self.store.read(arriving.to(self.store.device)) if arriving.numel() else None
+        except BaseException:
+            with self.cond:
+                self.moving = False
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            self._load(arriving, new_slots, values)
+            self.moving = False
+            self.cond.notify_all()
             loaded = torch.nonzero(~hit).flatten()[admitted]
             miss_slots = torch.full((misses.numel(),), -1, dtype=torch.int64)
             miss_slots[admitted] = new_slots
@@ -433,6 +470,12 @@ class CachedGroup(TableGroup):
         move = lambda t: self._to_device(self.runtime.pin(t))  # noqa: E731
         return RowSources(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
                       direct_at=move(direct_at), direct_rows=unique[direct_at].to(self.store.device))
+
+    def _settled(self) -> None:
+        """Wait (lock held) until no prepare() is between its locked phases,
+        so every row has its owner (a slot or the store) with its current value."""
+        while self.moving:
+            self.cond.wait(timeout=0.1)
 
     def _wait_completed(self, count: int) -> None:
         """Wait (lock held) until the trainer has completed `count` batches."""
@@ -533,28 +576,32 @@ class CachedGroup(TableGroup):
         admitted[torch.argsort(uses, descending=True, stable=True)[: self.num_free]] = True
         return admitted
 
-    def _evict(self, at_least: int, protected: torch.Tensor, available: int, step: int) -> None:
+    def _evict(self, at_least: int, protected: torch.Tensor, available: int):
         """Free at least `at_least` of the `available` unprotected resident
-        slots (a chunk, to amortise the search), by policy, ties broken by slot."""
+        slots (a chunk, to amortise the search), by policy, ties broken by slot;
+        returns the dirty ones' write-back for the store (_write_back)."""
         count = min(available, max(at_least, self.evict_chunk))
         victims = torch.sort(self.victims.smallest(count, protected)).values
         if self.debug:
             assert victims.numel() == count, "the victim order lost slots"
             assert bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
-        self._write_back(victims[self.dirty[victims]], step)
+        leaving = self._write_back(victims[self.dirty[victims]])
         self.slot_index.remove(self.row_of_slot[victims])
         self.row_of_slot[victims] = -1
         self.score[victims] = 0
         self.free_slots[self.num_free : self.num_free + count] = victims
         self.num_free += count
         self.counters["rows_evicted"] += count
+        return leaving
 
     def _stream(self):
         return self.runtime.use_stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
 
-    def _write_back(self, slots: torch.Tensor, step: int) -> None:
+    def _write_back(self, slots: torch.Tensor):
+        """(rows, values, state) of dirty `slots`, copied off the device for
+        store.write (which prepare() calls without the lock), or None."""
         if slots.numel() == 0:
-            return
+            return None
         with self._stream():
             if self.side_stream is not None and self.last_use is not None:
                 self.side_stream.wait_event(self.last_use)  # after the last write of these slots (updates, averages)
@@ -563,19 +610,17 @@ class CachedGroup(TableGroup):
             state = self.cache_state.index_select(0, dev_slots).to(rows.device)
             if self.side_stream is not None:
                 self.side_stream.synchronize()
-        self.store.write(self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device),
-                         state.to(self.store.device), step)
         self.dirty[slots] = False
         self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
             self.counters["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
+        return self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device), state.to(self.store.device)
 
-    def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def _load(self, rows: torch.Tensor, slots: torch.Tensor, read) -> None:
+        """Put `rows` (their store values and state, `read`) into reserved `slots` and publish them."""
         if rows.numel() == 0:
             return
-        if self.debug:
-            assert not bool(self.slot_index.contains(rows).any()), "loading a row that already has a slot"
-        values, state = self.store.read(rows.to(self.store.device))
+        values, state = read
         staging = self.fill_staging or (None, None)
         with self._stream():
             if self.side_stream is not None and self.last_use is not None:
@@ -706,6 +751,7 @@ class CachedGroup(TableGroup):
         """Current rows, for evaluation: resident ones from their slots, once
         their fills have landed (the prefetcher may still be filling)."""
         with self.cond:
+            self._settled()
             slots = self.slot_index.lookup(ids)
             hit_at = torch.nonzero(slots >= 0).flatten()  # host index tensors: no mask on a device tensor
             rows = self.store.read_rows(ids.to(self.store.device)).to(self.device)
@@ -719,6 +765,7 @@ class CachedGroup(TableGroup):
         """The store's tables with every dirty resident row quantized into the
         copy (a snapshot: the live cache, store and dirty bits do not change)."""
         with self.cond:
+            self._settled()
             return super().table_state()
 
     def _snapshot_patch(self, lo: int, hi: int):
@@ -738,6 +785,7 @@ class CachedGroup(TableGroup):
         """Everything that makes the cache what it is, for a checkpoint: with
         table_state(), load_cache_snapshot() restores exactly this cache and store."""
         with self.cond:
+            self._settled()
             if self.inflight:
                 raise RuntimeError("a cache snapshot needs every prepared batch released")
             dirty_rows = self.row_of_slot[self.dirty]
@@ -802,6 +850,7 @@ class CachedGroup(TableGroup):
     def invalidate(self) -> None:
         """Forget every cached row (the store was overwritten)."""
         with self.cond:
+            self._settled()
             if self.inflight:
                 raise RuntimeError("cannot reload tables while batches are in flight")
             self.slot_index.clear()
@@ -822,6 +871,7 @@ class CachedGroup(TableGroup):
         """Invariant 1 over the whole cache (debug runs, tests): the slot and
         row maps are inverse, no row has two slots, free slots hold no row."""
         with self.cond:
+            self._settled()
             resident = torch.nonzero(self.row_of_slot >= 0).flatten()
             rows = self.row_of_slot[resident]
             assert torch.equal(self.slot_index.lookup(rows), resident), "slot and row maps disagree"

@@ -110,3 +110,39 @@ def test_the_trainer_never_waits_on_the_prefetchers_disk_io(tmp_path):
     assert bool((group.slot_index.lookup(second.unique) >= 0).all())
     assert torch.equal(rows, group.read(second.unique))
 
+
+def test_evaluation_reads_only_the_rows_the_cache_does_not_hold(tmp_path):
+    """read() (evaluation, predict) serves resident rows from the cache, their
+    owner, and goes to the disk for the others only: the same logits as on
+    `device`, and no disk traffic for rows the cache holds."""
+    from embedding_harness import tables_fp32
+
+    from recsys_cli.embeddings.cache import CachedGroup
+
+    held_out = make_batches(4, batch_size=16, seed=1)
+    device, device_opt = build({"kind": "device"})
+    train(BATCHES, device, device_opt)
+    model, opt = build({"kind": "disk", "cache_rows": 400, "window": 4, "host_cache_rows": TINY_HOST_CACHE,
+                        "disk_path": str(tmp_path)})
+    train(BATCHES, model, opt)
+    (group,) = [g for g in model.embeddings.groups if isinstance(g, CachedGroup)]
+    store = group.store
+    before = store.stats()
+    with torch.no_grad():
+        for batch in held_out:
+            assert torch.equal(model(batch), device(batch))
+    evaluated = store.stats()
+    resident = group.row_of_slot[group.row_of_slot >= 0]
+    assert bool(group.dirty.any())  # some rows' store copies are stale: the cache's values are the current ones
+    ids = torch.cat([resident, torch.arange(group.num_rows)])
+    looked_up = lambda s: s["host_cache_hits"] + s["host_cache_misses"]  # noqa: E731
+    for rows, store_reads in ((resident, 0), (ids, group.num_rows - resident.numel())):
+        start = store.stats()
+        got = group.read(rows)
+        end = store.stats()
+        assert looked_up(end) - looked_up(start) == store_reads  # every row the cache holds came from the cache
+        if store_reads == 0:
+            assert end["disk_bytes_read"] == start["disk_bytes_read"]
+    assert torch.equal(got[resident.numel():], torch.cat(list(tables_fp32(device.embeddings).values())))
+    print(f"\nevaluation of {len(held_out)} batches read {evaluated['disk_bytes_read'] - before['disk_bytes_read']:,} "
+          f"disk bytes; {resident.numel()} of {group.num_rows} rows resident")

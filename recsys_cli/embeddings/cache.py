@@ -748,13 +748,19 @@ class CachedGroup(TableGroup):
             self.cond.notify_all()
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """Current rows, for evaluation: resident ones from their slots, once
-        their fills have landed (the prefetcher may still be filling)."""
+        """Current rows, for evaluation: resident ones from their slots (the
+        owner, invariant 1: a dirty row's store copy is stale), once their
+        fills have landed (the prefetcher may still be filling); only the
+        others from the store, so a disk store reads just the misses."""
         with self.cond:
             self._settled()
             slots = self.slot_index.lookup(ids)
             hit_at = torch.nonzero(slots >= 0).flatten()  # host index tensors: no mask on a device tensor
-            rows = self.store.read_rows(ids.to(self.store.device)).to(self.device)
+            miss_at = torch.nonzero(slots < 0).flatten()
+            rows = torch.empty(ids.numel(), self.dim, device=self.device)
+            if miss_at.numel():
+                from_store = self.store.read_rows(ids[miss_at.to(ids.device)].to(self.store.device)).to(self.device)
+                rows.index_copy_(0, miss_at.to(self.device), from_store)
             if hit_at.numel():
                 self._wait_fills()
                 rows.index_copy_(0, hit_at.to(self.device), self.cache_rows.index_select(0, slots[hit_at].to(self.device)))

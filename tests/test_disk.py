@@ -60,7 +60,8 @@ def test_the_trainer_never_waits_on_the_prefetchers_disk_io(tmp_path):
 
     from recsys_cli.embeddings.cache import CachedGroup
 
-    model, _ = build({"kind": "disk", "cache_rows": SMALL_CACHE, "window": 2, "host_cache_rows": TINY_HOST_CACHE,
+    # room for both batches: the second one's prepare does not wait for the first to complete
+    model, _ = build({"kind": "disk", "cache_rows": 400, "window": 2, "host_cache_rows": TINY_HOST_CACHE,
                       "disk_path": str(tmp_path)})
     (group,) = [g for g in model.embeddings.groups if isinstance(g, CachedGroup)]
     at = model.embeddings.groups.index(group)

@@ -145,7 +145,7 @@ def test_victims_are_the_top_k_over_every_slot(policy):
     chosen = []
     original = group._evict
 
-    def evict(at_least, protected, available, step):
+    def evict(at_least, protected, available):
         resident = group.row_of_slot >= 0
         evictable = resident & ~torch.isin(torch.arange(group.capacity), protected)
         assert available == int(evictable.sum())
@@ -154,9 +154,10 @@ def test_victims_are_the_top_k_over_every_slot(policy):
                           torch.iinfo(torch.int64).max)
         chosen.append(torch.sort(torch.topk(key, count, largest=False).indices).values)
         before = group.row_of_slot.clone()
-        original(at_least, protected, available, step)
+        leaving = original(at_least, protected, available)
         freed = torch.nonzero((before >= 0) & (group.row_of_slot < 0)).flatten()
         assert torch.equal(freed, chosen[-1])
+        return leaving
 
     group._evict = evict
     for plan in _plans(60, seed=1):

@@ -116,6 +116,13 @@ cfg.precision.kind = precision
 cfg.trainer.checkpoint_every = max(1, int(steps) // 2)  # two checkpoints: the second a delta on the first
 saves = []
 real_save = ckpt.save_checkpoint
+before_saves = []
+real_state_dict = Trainer.state_dict
+def state_dict(self):
+    if not before_saves:  # the high-water mark of training alone (VmHWM, kB), before the first save
+        before_saves.append(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")))
+    return real_state_dict(self)
+Trainer.state_dict = state_dict
 def timed_save(directory, step, state, keep=2):
     s0 = time.perf_counter()
     path = real_save(directory, step, state, keep)
@@ -132,6 +139,7 @@ print(json.dumps({"build s": build, "samples/s": summary["samples_per_second"],
                   "checkpoint s (1st, 2nd)": " / ".join(f"{s:.2f}" for s, _ in saves),
                   "checkpoint dir MiB after (1st, 2nd)": " / ".join(f"{b / 2**20:.1f}" for _, b in saves),
                   "peak RSS MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak RSS MiB before 1st checkpoint": before_saves[0] / 1024 if before_saves else None,
                   "disk GiB": summary["embedding_bytes"]["disk"] / 2**30,
                   "host MiB": summary["embedding_bytes"]["host"] / 2**20,
                   "cache": summary["cache"]}))

@@ -775,21 +775,30 @@ class CachedGroup(TableGroup):
             return super().table_state()
 
     def _snapshot_patch(self, lo: int, hi: int):
-        slots = torch.nonzero(self.dirty).flatten()
-        rows = self.row_of_slot[slots]
-        inside = (rows >= lo) & (rows < hi)
-        slots, rows = slots[inside], rows[inside]
-        if rows.numel() == 0:
-            return None
-        dev_slots = slots.to(self.device)
-        self._wait_fills()
-        values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
-        encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
-        return rows - lo, encoded, self.cache_state.index_select(0, dev_slots)
+        with self.cond:  # a disk store asks when its checkpoint writes the table
+            self._settled()
+            slots = torch.nonzero(self.dirty).flatten()
+            rows = self.row_of_slot[slots]
+            inside = (rows >= lo) & (rows < hi)
+            slots, rows = slots[inside], rows[inside]
+            if rows.numel() == 0:
+                return None
+            dev_slots = slots.to(self.device)
+            self._wait_fills()
+            values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
+            encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
+            return rows - lo, encoded, self.cache_state.index_select(0, dev_slots)
 
     def cache_snapshot(self) -> dict:
         """Everything that makes the cache what it is, for a checkpoint: with
-        table_state(), load_cache_snapshot() restores exactly this cache and store."""
+        table_state(), load_cache_snapshot() restores exactly this cache and store.
+
+        The cache's own tensors come as they are, not cloned (on CUDA, .cpu()
+        copies them to the host): a clone would cost a second cache in host
+        memory at every checkpoint (500 MB at issue 17's scale). So the
+        snapshot is only valid until the cache next changes; a checkpoint
+        writes it at once (the save is synchronous, and the prefetcher waits
+        at checkpoint steps)."""
         with self.cond:
             self._settled()
             if self.inflight:
@@ -804,13 +813,13 @@ class CachedGroup(TableGroup):
                 # The store's own (stale) copy of dirty rows: the table snapshot holds their cached values.
                 "store_dirty": {k: v.cpu() for k, v in store_dirty.items()},
                 "store_dirty_state": store_dirty_state.cpu(),
-                "cache_rows": self.cache_rows.cpu().clone(), "cache_state": self.cache_state.cpu().clone(),
-                "row_of_slot": self.row_of_slot.clone(), "dirty": self.dirty.clone(), "score": self.score.clone(),
-                "free_slots": self.free_slots.clone(), "num_free": self.num_free, "clock": self.clock,
+                "cache_rows": self.cache_rows.cpu(), "cache_state": self.cache_state.cpu(),
+                "row_of_slot": self.row_of_slot, "dirty": self.dirty, "score": self.score,
+                "free_slots": self.free_slots, "num_free": self.num_free, "clock": self.clock,
                 "prepared": self.prepared, "completed": self.completed,
-                "history": [(b, slots.clone(), rows.clone()) for b, slots, rows in self.history],
+                "history": list(self.history),  # tensors no one changes: prepare appends new ones
                 "sync_points": None if self.sync_points is None else list(self.sync_points),
-                "row_uses": None if self.row_uses is None else self.row_uses.clone(),
+                "row_uses": self.row_uses,
                 "stats": dict(self.counters),
             }
 

@@ -79,13 +79,16 @@ class DiskTableSnapshot:
     """One disk table's entry in a checkpoint until the checkpoint writes it:
     save_files() writes its files and returns the manifest the checkpoint
     holds; committed() advances the store's chain once the checkpoint is in
-    place. patch: (local ids, encoded rows, state) of rows a cache holds dirty."""
+    place. patch: the function that gives (local ids, encoded rows, state) of
+    the rows a cache holds dirty, called by save_files, so that a checkpoint
+    holds one table's dirty rows in memory at a time, not every table's."""
 
     def __init__(self, store, table: int, patch) -> None:
-        self.store, self.table, self.patch = store, table, patch
+        self.store, self.table, self.patch_of = store, table, patch
         self.spec: TableSpec = store.tables[table]
         self.lo = int(store._table_start[table])
         self._chain = None
+        self._patched_ids = None
 
     def save_files(self, directory: Path, step: int) -> dict:
         store, spec = self.store, self.spec
@@ -93,6 +96,8 @@ class DiskTableSnapshot:
         folder = Path(directory) / "disk" / _safe(spec.name)
         folder.mkdir(parents=True, exist_ok=True)
         tag = f"{step:08d}-{uuid.uuid4().hex[:8]}"
+        patch = self.patch_of() if self.patch_of is not None else None  # before the store's lock: the cache's lock comes first
+        self._patched_ids = patch[0].cpu() if patch is not None else None
         with store.lock:  # not the trainer's wait on the disk (disk_wait_seconds): the checkpoint's own time
             chain = store.chain[self.table]
             changed = self._changed()
@@ -102,11 +107,11 @@ class DiskTableSnapshot:
                        or chain["delta_rows"] + changed.numel() > COMPACT_FRACTION * spec.num_rows)
             if compact:
                 name = folder / f"base-{tag}.bin"
-                _write_file(name, self._base_chunks())
+                _write_file(name, self._base_chunks(patch))
                 chain = {"root": root, "base": str(name.relative_to(directory)), "deltas": [], "delta_rows": 0}
             else:
                 name = folder / f"delta-{tag}.bin"
-                _write_file(name, self._delta_chunks(changed))
+                _write_file(name, self._delta_chunks(changed, patch))
                 chain = {**chain, "deltas": [*chain["deltas"], {"file": str(name.relative_to(directory)),
                                                                 "rows": changed.numel()}],
                          "delta_rows": chain["delta_rows"] + changed.numel()}
@@ -117,7 +122,7 @@ class DiskTableSnapshot:
     def committed(self) -> None:
         store = self.store
         store.chain[self.table] = self._chain
-        store.changed[self.table] = [self.patch[0].cpu()] if self.patch is not None else []
+        store.changed[self.table] = [self._patched_ids] if self._patched_ids is not None else []
 
     def _layout(self) -> dict:
         s, spec = self.store, self.spec
@@ -128,15 +133,15 @@ class DiskTableSnapshot:
 
     def _changed(self) -> torch.Tensor:
         parts = list(self.store.changed[self.table])
-        if self.patch is not None:
-            parts.append(self.patch[0].cpu())
+        if self._patched_ids is not None:
+            parts.append(self._patched_ids)
         return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def _patched(self, local: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+    def _patched(self, local: torch.Tensor, records: torch.Tensor, patch) -> torch.Tensor:
         """records of sorted `local` rows with the cache's dirty rows put in."""
-        if self.patch is None:
+        if patch is None:
             return records
-        ids, encoded, state = self.patch
+        ids, encoded, state = patch
         ids = ids.cpu()
         pos = torch.searchsorted(local, ids)
         inside = (pos < local.numel()) & (local[pos.clamp(max=max(local.numel() - 1, 0))] == ids)
@@ -146,20 +151,20 @@ class DiskTableSnapshot:
             records[pos[at]] = packed
         return records
 
-    def _delta_chunks(self, changed: torch.Tensor):
+    def _delta_chunks(self, changed: torch.Tensor, patch):
         yield changed.numpy().astype(np.int64)
         step = max(1, CHUNK_BYTES // self.store.record_bytes)
         for a in range(0, changed.numel(), step):
             local = changed[a:a + step]
             records, inverse, *_ = self.store._records(local + self.lo)
-            yield self._patched(local, records[inverse]).numpy()
+            yield self._patched(local, records[inverse], patch).numpy()
 
-    def _base_chunks(self):
+    def _base_chunks(self, patch):
         step = max(1, CHUNK_BYTES // self.store.record_bytes)
         for a in range(0, self.spec.num_rows, step):
             local = torch.arange(a, min(a + step, self.spec.num_rows))
             records, inverse, *_ = self.store._records(local + self.lo)
-            yield self._patched(local, records[inverse]).numpy()
+            yield self._patched(local, records[inverse], patch).numpy()
 
 
 def _codec(layout: dict):

@@ -136,9 +136,10 @@ class RowStore:
         views of the store (torch.save writes their shared storage once, so a
         checkpoint of large host tables does not double host memory), copied
         only where `patch` (local ids, encoded rows, state: rows that live in a
-        cache) replaces rows."""
+        cache; `patch` is the function that gives them) replaces rows."""
         tensors = {k: v[lo:hi].cpu() for k, v in self.rows.tensors().items()}
         tensors["state"] = self.state[lo:hi].cpu()
+        patch = patch() if patch is not None else None
         if patch is not None:
             local, encoded, state = patch
             for name in [*encoded, "state"]:

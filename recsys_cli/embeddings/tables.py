@@ -14,6 +14,7 @@ and how they get to the device, is the group's business:
 from __future__ import annotations
 
 import abc
+import functools
 
 import torch
 
@@ -81,16 +82,20 @@ class TableGroup(abc.ABC):
         (RowStore.table_snapshot: views of a host store; a disk store: the rows
         changed since its last checkpoint, written by the checkpoint). Reading
         it changes nothing in the live run; rows that live elsewhere (a cache's
-        dirty rows) are patched into the snapshot."""
+        dirty rows) are patched into the snapshot. Like the host store's
+        views, a snapshot holds the run's current values only until the run
+        goes on: write it at once (the trainer's save is synchronous)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            out[t.name] = self.store.table_snapshot(t, lo, hi, self._snapshot_patch(lo, hi))
+            out[t.name] = self.store.table_snapshot(t, lo, hi, functools.partial(self._snapshot_patch, lo, hi))
         return out
 
     def _snapshot_patch(self, lo: int, hi: int):
         """(local ids, encoded rows, state) of rows of [lo, hi) that live
-        elsewhere than the store (a cache), or None."""
+        elsewhere than the store (a cache), or None. The store calls it: a host
+        store at once, a disk store when the checkpoint writes that table, so
+        only one table's dirty rows are copied at a time."""
         return None
 
     def cache_snapshot(self) -> dict | None:

@@ -1,6 +1,7 @@
 """Soak benchmark (issue 18, goal 7): does resident memory grow with the run?
 
     .venv/bin/python -m bench.soak_bench [--rows 3000000] [--short 3000] [--long 30000] [--record]
+        [--dataset DIR] [--long-run RUN_DIR]
 
 Trains the same configuration (device placement, no checkpoints, no
 evaluation, one epoch long enough for the long run) for `--short` and for
@@ -10,6 +11,13 @@ goal: peak RSS at many steps within 10 % of the peak at few steps. The issue's
 full scale is 3k vs 300k steps of model=dlrm_kaggle; the defaults here (a
 small model, 30k steps) fit a few minutes on two cores, and the same loader,
 step and allocator paths run.
+
+`--dataset DIR` trains on a preprocessed dataset instead of synthetic rows.
+`--long-run RUN_DIR` takes the long run from a finished `recsys train` run of
+the same configuration (its summary.json: steps, peak RSS, the RSS trace)
+instead of training it again: the headline's fp32 run (bench/headline.py) is
+one epoch of 307k steps, device placement, no checkpoints, with a final test
+evaluation on top, which its peak includes.
 
 `--child` runs one length and prints a JSON line (used by the parent).
 """
@@ -39,6 +47,8 @@ def child(args) -> None:
     cfg.model = OmegaConf.merge(cfg.model, model)
     cfg.dataset.synthetic.rows = args.rows
     cfg.dataset.synthetic.cardinality_scale = args.cardinality_scale
+    if args.dataset:
+        cfg.dataset.name, cfg.dataset.path = "criteo_kaggle", args.dataset
     tc = cfg.trainer
     tc.batch_size, tc.max_steps, tc.epochs = args.batch, args.steps, 1
     tc.checkpoint_every, tc.eval_every, tc.log_every, tc.progress = None, None, args.log_every, False
@@ -57,10 +67,20 @@ def run_child(args, steps: int, env: dict) -> dict:
     cmd = [sys.executable, "-m", "bench.soak_bench", "--child", "--steps", str(steps), "--rows", str(args.rows),
            "--cardinality-scale", str(args.cardinality_scale), "--model", args.model, "--batch", str(args.batch),
            "--log-every", str(args.log_every), "--device", args.device]
+    if args.dataset:
+        cmd += ["--dataset", args.dataset]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr[-4000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def finished(run_dir: Path) -> dict:
+    """A finished run's figures, as a child reports them."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"steps": summary["steps"], "peak_rss_mib": summary["peak_host_rss_bytes"] / 2**20,
+            "seconds": summary["train_seconds"],
+            "rss": [[step, b / 2**20] for step, b in summary["memory"]["rss_bytes"]]}
 
 
 def main() -> None:
@@ -74,6 +94,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=500)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--dataset", default=None, help="a preprocessed dataset directory")
+    parser.add_argument("--long-run", type=Path, default=None,
+                        help="a finished run of the same configuration to take as the long run (its summary.json)")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
@@ -82,7 +105,7 @@ def main() -> None:
     env = {**os.environ}
     rows = []
     for steps in (args.short, args.long):
-        r = run_child(args, steps, env)
+        r = run_child(args, steps, env) if steps == args.short or args.long_run is None else finished(args.long_run)
         trace = r["rss"]
         rows.append({"steps": r["steps"], "peak RSS MiB": r["peak_rss_mib"],
                      "RSS at first log MiB": trace[0][1] if trace else float("nan"),
@@ -97,12 +120,16 @@ def main() -> None:
         from bench.record import record
 
         cmd = (f"python -m bench.soak_bench --rows {args.rows} --short {args.short} --long {args.long} "
-               f"--model {args.model} --batch {args.batch}")
+               f"--model {args.model} --batch {args.batch}"
+               + (f" --dataset {args.dataset}" if args.dataset else "")
+               + (f" --long-run {args.long_run}" if args.long_run else ""))
         load = os.getloadavg()[0]
         record("Soak: peak RSS at many steps vs few (issue 18, goal 7)", list(rows[0]), rows, cmd,
                note=f"Each length in its own process, device placement, no checkpoints or evaluation, "
                     f"{args.model}, batch {args.batch}; load average {load:.1f} on the shared machine. "
-                    f"Goal: the long run's peak within 10 % of the short run's.")
+                    f"Goal: the long run's peak within 10 % of the short run's."
+                    + (f" The long run is {args.long_run} (a finished run of the same configuration, whose "
+                       f"peak includes its final test evaluation)." if args.long_run else ""))
 
 
 if __name__ == "__main__":

@@ -69,8 +69,13 @@ read a snapshot (the store, with dirty rows quantized into a copy for the
 file, plus the cache itself) and change nothing: no write-back, no dirty
 bit, no random draw. load_cache_snapshot() restores the cache exactly, so a
 resumed run continues with the same slots and the same fp32 values as the
-uninterrupted one. Checkpoints are taken with no batch in flight (the
-trainer pauses the prefetcher at checkpoint and evaluation steps).
+uninterrupted one. The store's own copy of a dirty row is stale and is never
+read (reads of resident rows go to the cache, and the row's write-back
+replaces it), so the snapshot does not carry it: after a resume the store
+holds the checkpoint's value for that row instead (the cached value, as the
+table snapshot encoded it), which nothing reads either.
+Checkpoints are taken with no batch in flight (the trainer pauses the
+prefetcher at checkpoint and evaluation steps).
 
 Debug runs (RECSYS_DEBUG=1) check the invariants: victims unpinned and
 unprotected, loaded rows not already resident, rows served by the store
@@ -803,16 +808,10 @@ class CachedGroup(TableGroup):
             self._settled()
             if self.inflight:
                 raise RuntimeError("a cache snapshot needs every prepared batch released")
-            dirty_rows = self.row_of_slot[self.dirty]
-            ids = dirty_rows.to(self.store.device)
             self._wait_fills()
-            store_dirty, store_dirty_state = self.store.read_encoded(ids)
             return {
                 "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
                 "tables": [(t.name, t.num_rows) for t in self.tables],
-                # The store's own (stale) copy of dirty rows: the table snapshot holds their cached values.
-                "store_dirty": {k: v.cpu() for k, v in store_dirty.items()},
-                "store_dirty_state": store_dirty_state.cpu(),
                 "cache_rows": self.cache_rows.cpu(), "cache_state": self.cache_state.cpu(),
                 "row_of_slot": self.row_of_slot, "dirty": self.dirty, "score": self.score,
                 "free_slots": self.free_slots, "num_free": self.num_free, "clock": self.clock,
@@ -837,8 +836,6 @@ class CachedGroup(TableGroup):
                 self.sync_points = [step]
             if not same:
                 return False
-            dirty_rows = saved["row_of_slot"][saved["dirty"]].to(self.store.device)
-            self.store.write_encoded(dirty_rows, saved["store_dirty"], saved["store_dirty_state"])
             self.cache_rows.copy_(saved["cache_rows"])
             self.cache_state.copy_(saved["cache_state"])
             self.row_of_slot.copy_(saved["row_of_slot"])

@@ -2,7 +2,7 @@
 behind a bounded host cache of rows.
 
 The store implements RowStore's protocol (store.py: read/write/encode,
-read_rows/read_state, read_encoded/write_encoded, table_snapshot/load_table,
+read_rows/read_state, table_snapshot/load_table,
 memory/stats), so a CachedGroup (cache.py) sits in front of it exactly as in
 front of a host store: `+placement=disk` is the lookahead cache over this
 store, and every invariant of the cache (one owner per row, residency from
@@ -372,16 +372,6 @@ class DiskRowStore:
         if state.shape[1] != self.state_width:  # SGD writes an empty state
             state = torch.full((ids.numel(), self.state_width), self.initial_state)
         self._write(ids, self.codec.pack(encoded, state.cpu()))
-
-    def read_encoded(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        with self._locked():
-            out, inverse, *_ = self._records(ids)
-        return self.codec.unpack(out[inverse])
-
-    def write_encoded(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> None:
-        if state.shape[1] != self.state_width:
-            state = torch.full((ids.numel(), self.state_width), self.initial_state)
-        self._write(ids.cpu(), self.codec.pack(encoded, state))
 
     def nbytes(self) -> int:
         """Host bytes: the host cache and its index (the rows themselves are on disk)."""

@@ -114,16 +114,6 @@ class RowStore:
     def read_state(self, ids: torch.Tensor) -> torch.Tensor:
         return self.state.index_select(0, ids)
 
-    def read_encoded(self, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The stored bits of `ids` (native tensors, state), copies: what write_encoded puts back."""
-        return {k: v.index_select(0, ids) for k, v in self.rows.tensors().items()}, self.state.index_select(0, ids)
-
-    def write_encoded(self, ids: torch.Tensor, encoded: dict[str, torch.Tensor], state: torch.Tensor) -> None:
-        for k, v in self.rows.tensors().items():
-            v.index_copy_(0, ids, encoded[k].to(v.device))
-        if self.state.numel():
-            self.state.index_copy_(0, ids, state.to(self.device))
-
     def memory(self, tier: str) -> list[tuple[str, str, int]]:
         """(tier, what, bytes) of what the store allocates (TableGroup.memory)."""
         return [(tier, "table", self.nbytes())]

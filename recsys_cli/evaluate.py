@@ -96,7 +96,7 @@ def evaluate(cfg: EvaluateConfig, console=None) -> dict:
 
     from recsys_cli.inference import load_model
     from recsys_cli.predict import RowProgress, check_dataset, dataset_logits
-    from recsys_cli.train.metrics import write_json_atomic
+    from recsys_cli.train.metrics import SplitPredictions, write_json_atomic
 
     console = console or Console(stderr=True, highlight=False)
     require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
@@ -122,12 +122,11 @@ def evaluate(cfg: EvaluateConfig, console=None) -> dict:
     if output.exists() and not (output / RESULT).is_file() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"output {output} exists and was not written by `recsys evaluate`; refusing to replace it")
 
-    logits, labels = [], []
+    predictions = SplitPredictions(manifest.splits[split].rows)
     with RowProgress(cfg.progress, manifest.splits[split].rows, "rows") as progress:
         for lg, lb in dataset_logits(loaded, dataset, [split], batch_size, progress.advance):
-            logits.append(lg)
-            labels.append(lb)
-    logits, labels = torch.cat(logits), torch.cat(labels)
+            predictions.add(lg, lb)
+    logits, labels = predictions.result()
     result = {"checkpoint": str(loaded.checkpoint), "dataset": str(dataset), "split": split,
               "step": loaded.state.get("step"), "precision": loaded.tables.precision, **metrics(logits, labels, cfg.bins)}
 

@@ -8,10 +8,11 @@ so a run of any length keeps at most `limit` samples, evenly spread.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 
-__all__ = ["RSSTrace", "current_rss_bytes", "peak_rss_bytes"]
+__all__ = ["RSSTrace", "current_rss_bytes", "peak_rss_bytes", "return_free_memory"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -28,6 +29,25 @@ def current_rss_bytes() -> int | None:
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far (ru_maxrss, KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def return_free_memory() -> None:
+    """Hand the C allocator's free pages back to the OS (glibc's malloc_trim;
+    nothing where the C library has none). An evaluation's or a checkpoint's
+    temporaries of some MB to tens of MB come from the heap once glibc's mmap
+    threshold has risen, and the few allocations that outlive them keep the
+    freed pages resident: RSS rose by about 200 MB with each evaluation of a
+    3.3M-row split, and fell back to where it was with this after each."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)  # the process's own symbols: the C library's malloc
+    except OSError:
+        return None
 
 
 class RSSTrace:

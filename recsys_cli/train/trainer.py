@@ -32,8 +32,8 @@ from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.loggers import make_log
-from recsys_cli.train.memory import RSSTrace
-from recsys_cli.train.metrics import PhaseTimer, binary_metrics, write_json_atomic
+from recsys_cli.train.memory import RSSTrace, return_free_memory
+from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
 from recsys_cli.train.threads import compute_threads
@@ -393,22 +393,24 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------
     def evaluate(self, split: str) -> dict:
-        return binary_metrics(*self.predictions(split))
+        result = binary_metrics(*self.predictions(split))
+        return_free_memory()  # its temporaries' pages: RSS must not grow with each evaluation
+        return result
 
     @torch.no_grad()
     def predictions(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits and labels of every row of `split`, in the split's order."""
         self.model.eval()
-        logits, labels = [], []
+        loader = self.eval_loaders[split]
+        predictions = SplitPredictions(loader.num_rows)  # this rank's share is at most the split
         self.strategy.before_eval()
         with self.timer.phase("eval"):
-            for batch in self.strategy.eval_batches(self.eval_loaders[split]):
+            for batch in self.strategy.eval_batches(loader):
                 batch = self.to_device(batch)
-                logits.append(self.model(batch).float().cpu())
-                labels.append(batch.labels.cpu())
+                predictions.add(self.model(batch), batch.labels)
         self.model.train()
         # The whole split: every rank's predictions.
-        return self.strategy.gather_predictions(torch.cat(logits), torch.cat(labels))
+        return self.strategy.gather_predictions(*predictions.result())
 
     def evaluate_and_log(self, split: str) -> dict:
         result = self.evaluate(split)
@@ -444,7 +446,9 @@ class Trainer:
             return None
         self.saved_step = self.step
         # Distributed: rank 0 writes (every rank restores), the others wait for it.
-        return self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()))
+        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()))
+        return_free_memory()  # the save's buffers, as after an evaluation
+        return path
 
     def resume(self, resume: str) -> None:
         """Continue the run saved at `resume` (a checkpoint, a directory, or "true": the latest)."""

@@ -85,3 +85,31 @@ def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path, place
     finally:
         gc.enable()
     assert alive == []
+
+
+
+
+def test_split_predictions_hold_every_batch_in_order(tmp_path):
+    """Evaluation collects logits into tensors allocated once per split (not
+    a list of per-batch tensors, which kept the heap from reusing the space
+    around them: bench/eval_memory.py measures the process). What it returns
+    is exactly the batches' logits and labels in split order."""
+    import torch
+
+    from recsys_cli.train.metrics import SplitPredictions
+    from recsys_cli.train.trainer import Trainer
+
+    trainer = Trainer(config(tmp_path, trainer__eval_batch_size=128, trainer__checkpoint_every=None,
+                             trainer__final_checkpoint=False))
+    trainer.model.eval()
+    with torch.no_grad():
+        batches = [trainer.to_device(b) for b in trainer.eval_loaders["val"]]
+        expected = torch.cat([trainer.model(b).cpu() for b in batches]), torch.cat([b.labels.cpu() for b in batches])
+    assert len(batches) > 2 and batches[-1].size < 128  # a short last batch
+    logits, labels = trainer.predictions("val")
+    assert torch.equal(logits, expected[0]) and torch.equal(labels, expected[1])
+
+    full = SplitPredictions(3)
+    full.add(torch.ones(2), torch.ones(2))
+    with pytest.raises(RuntimeError, match="4 predictions for a split of 3 rows"):
+        full.add(torch.ones(2), torch.ones(2))

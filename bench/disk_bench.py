@@ -18,6 +18,14 @@
    its own process (peak RSS): throughput, peak RSS, checkpoint time and size.
    Long (tens of minutes at x12): run it with a reduced --large-scale on a
    shared machine and say so.
+3. --io: the store's reads from a cold file, by I/O threads
+   (placement.disk_io_threads): a DiskRowStore of --io-rows rows (dim 16,
+   Adagrad state, no host cache); each round drops the file's pages from the
+   page cache (posix_fadvise DONTNEED, this file only) and reads the same
+   --io-reads scattered rows (more than a page apart: one pread each) with
+   each thread count in turn. Rows read per second, and each count's ratio
+   to one thread, median over rounds: what the disk gives with several
+   requests in flight.
 """
 
 from __future__ import annotations
@@ -181,6 +189,42 @@ def benchmark_2(rows: int, scale: float, batch: int, steps: int, ratio: float, p
     return out
 
 
+def benchmark_io(rows: int, reads: int, rounds: int, threads: list[int]) -> list[dict]:
+    import statistics
+
+    import torch
+
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    with tempfile.TemporaryDirectory(prefix="disk-bench-io-") as tmp:
+        store = DiskRowStore([TableSpec("t", rows, 16)], [0], "fp32", "stochastic", 0, 1, 0.0, tmp,
+                             host_cache_rows=0, io_threads=max(threads))
+        stride = rows // reads
+        if stride * store.record_bytes < 2 * 4096:
+            raise SystemExit(f"--io-rows {rows} / --io-reads {reads}: rows must be more than a page apart")
+        os.fsync(store.fd)
+        times = {n: [] for n in threads}
+        for r in range(rounds):
+            # the same rows each round, a different offset per round: no read hits an earlier round's pages
+            ids = torch.arange(reads, dtype=torch.int64) * stride + (r * 7919) % stride
+            for n in threads:
+                os.posix_fadvise(store.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                store.io_threads = n
+                start = time.perf_counter()
+                store._read(ids)
+                times[n].append(time.perf_counter() - start)
+                print(f"round {r}: {n} threads {reads / times[n][-1]:,.0f} rows/s", flush=True)
+        record_bytes = store.record_bytes
+        store.close()
+    base = statistics.median(times[threads[0]])
+    return [{"rows": rows, "record bytes": record_bytes, "file MiB": rows * record_bytes / 2**20, "reads per round": reads,
+             "rounds": rounds, "io threads": n, "rows/s (median)": reads / statistics.median(times[n]),
+             "x one thread (median)": base / statistics.median(times[n]),
+             "range": f"{reads / max(times[n]):,.0f}-{reads / min(times[n]):,.0f}",
+             "load avg": os.getloadavg()[0]} for n in threads]
+
+
 def _free_gib(path: str) -> float:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize / 2**30
@@ -197,9 +241,23 @@ def main() -> None:
     parser.add_argument("--large-scale", type=float, default=12.0)
     parser.add_argument("--large-steps", type=int, default=2000)
     parser.add_argument("--large-host-cache-ratio", type=float, default=0.05)
+    parser.add_argument("--io", action="store_true", help="benchmark 3: cold reads by I/O threads")
+    parser.add_argument("--io-rows", type=int, default=8_000_000)
+    parser.add_argument("--io-reads", type=int, default=4_000)
+    parser.add_argument("--io-rounds", type=int, default=5)
+    parser.add_argument("--io-threads", default="1,2,4,8,16")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
-    if args.large:
+    if args.io:
+        threads = [int(n) for n in args.io_threads.split(",")]
+        rows = benchmark_io(args.io_rows, args.io_reads, args.io_rounds, threads)
+        cmd = (f"python -m bench.disk_bench --io --io-rows {args.io_rows} --io-reads {args.io_reads} "
+               f"--io-rounds {args.io_rounds} --io-threads {args.io_threads}")
+        section = "Disk tier: cold reads by I/O threads (placement.disk_io_threads)"
+        note = ("DiskRowStore reads of scattered rows (one pread each) from a file whose pages were dropped "
+                "from the page cache before each read, alternating the thread counts within each round. "
+                "The ratio is what several requests in flight buy on this machine's disk.")
+    elif args.large:
         rows = benchmark_2(args.rows, args.large_scale, args.batch, args.large_steps, args.large_host_cache_ratio,
                            ["fp32", "int8"])
         cmd = (f"python -m bench.disk_bench --large --rows {args.rows} --large-scale {args.large_scale} "

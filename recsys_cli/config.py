@@ -158,6 +158,8 @@ class PlacementConfig:
     disk_path: Optional[str] = None
     host_cache_rows: Optional[int] = None
     host_cache_ratio: float = 0.05
+    # disk: reads in flight at once (threads issuing the coalesced preads).
+    disk_io_threads: int = 8
     # auto: bytes of host memory the tables may use; tables that do not fit go to disk.
     host_memory_budget: Optional[str] = None
 
@@ -285,8 +287,8 @@ def validate(cfg: Any) -> None:
         if kind not in PLACEMENTS[:-1]:
             raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
     positive = ["trainer.batch_size", "trainer.eval_batch_size", "trainer.epochs", "trainer.log_every",
-                "trainer.nproc", "trainer.sync_every", "placement.window", "model.embedding_dim",
-                "model.dcn_layers", "model.dcn_rank"]
+                "trainer.nproc", "trainer.sync_every", "placement.window", "placement.disk_io_threads",
+                "model.embedding_dim", "model.dcn_layers", "model.dcn_rank"]
     for key in positive:
         if _get(cfg, key) < 1:
             raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")

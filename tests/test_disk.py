@@ -4,6 +4,8 @@ Exactness is tested against `device` (fp32) and against the same cache over
 a host store (low precision): the disk store keeps the same bits, so it must
 train to the same bits."""
 
+import os
+
 import pytest
 import torch
 
@@ -147,3 +149,51 @@ def test_evaluation_reads_only_the_rows_the_cache_does_not_hold(tmp_path):
     assert torch.equal(got[resident.numel():], torch.cat(list(tables_fp32(device.embeddings).values())))
     print(f"\nevaluation of {len(held_out)} batches read {evaluated['disk_bytes_read'] - before['disk_bytes_read']:,} "
           f"disk bytes; {resident.numel()} of {group.num_rows} rows resident")
+
+
+def test_parallel_disk_reads_train_to_the_same_bits(reference, tmp_path, monkeypatch):
+    """With several I/O threads issuing a read's runs at once (here every read
+    of two runs or more goes to the threads), disk still equals device bit for bit."""
+    import recsys_cli.embeddings.disk_store as disk_store
+    from recsys_cli.embeddings.cache import CachedGroup
+    from embedding_harness import dense_state, tables_fp32
+
+    monkeypatch.setattr(disk_store, "PARALLEL_RUNS", 1)
+    optimizer, ref = reference
+    model, opt = build({"kind": "disk", "cache_rows": SMALL_CACHE, "window": 4, "host_cache_rows": TINY_HOST_CACHE,
+                        "disk_io_threads": 4, "disk_path": str(tmp_path)}, optimizer=optimizer)
+    result = train(BATCHES, model, opt)
+    assert_equal((result.losses, tables_fp32(model.embeddings), dense_state(model)), ref)
+    (group,) = [g for g in model.embeddings.groups if isinstance(g, CachedGroup)]
+    assert group.store._io_pool is not None  # the threads did read
+
+
+def _store(tmp_path, io_threads: int, rows: int = 500_000):
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    return DiskRowStore([TableSpec("t", rows, 8)], [0], "fp32", "stochastic", 0, 1, 0.0, str(tmp_path),
+                        host_cache_rows=0, io_threads=io_threads)
+
+
+def test_parallel_reads_return_the_serial_reads_bytes(tmp_path):
+    """Thousands of scattered runs (rows more than a page apart), read by one
+    thread and by eight: the same records, and a read past the file's end is
+    an error from either."""
+    serial, parallel = _store(tmp_path, 1), _store(tmp_path, 8)
+    ids = torch.randperm(2_500, generator=torch.Generator().manual_seed(0)) * 200
+    ids = torch.cat([ids, ids[:100]])  # repeats come back for every position
+    rows = torch.randn(2_500, 8, generator=torch.Generator().manual_seed(1))
+    for store in (serial, parallel):
+        store.write(ids[:2_500], rows, torch.full((2_500, 1), 2.0))
+    got_serial, got_parallel = serial._read(ids), parallel._read(ids)
+    assert parallel._io_pool is not None and serial._io_pool is None
+    assert parallel.stats_["disk_reads"] == serial.stats_["disk_reads"] == 2_500
+    assert torch.equal(got_parallel, got_serial)
+    assert torch.equal(parallel.read(ids)[0], rows[torch.cat([torch.arange(2_500), torch.arange(100)])])
+    for store in (serial, parallel):  # the file loses its last rows under the store
+        os.ftruncate(store.fd, 400_000 * store.record_bytes)
+        with pytest.raises(RuntimeError, match="read past the end of the disk table"):
+            store._read(torch.arange(0, 500_000, 300))
+        store.close()
+    assert parallel._io_pool is None

@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -73,6 +74,7 @@ OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
 BUILD_ELEMENTS = 1 << 16  # values initialised per piece (table_init.py: temporaries that stay in cache)
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
+PARALLEL_RUNS = 64  # reads per I/O thread below which handing them to threads costs more than it saves
 
 
 def disk_error(path, e: OSError, doing: str) -> UserError:
@@ -93,8 +95,13 @@ class DiskRowStore:
     encode = RowStore.encode
 
     def __init__(self, tables: list[TableSpec], table_numbers: list[int], precision: str, rounding: str, seed: int,
-                 state_width: int, initial_state: float, directory: str | None, host_cache_rows: int) -> None:
+                 state_width: int, initial_state: float, directory: str | None, host_cache_rows: int,
+                 io_threads: int = 1) -> None:
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.tables = tables
+        self.io_threads = io_threads
+        self._io_pool: ThreadPoolExecutor | None = None  # made at the first read that uses it
         self.dim = tables[0].dim
         self.num_rows = sum(t.num_rows for t in tables)
         self.seed = seed
@@ -159,6 +166,9 @@ class DiskRowStore:
 
     def close(self) -> None:
         """Close and delete the store's file (its directory is the store's own)."""
+        if self._io_pool is not None:
+            self._io_pool.shutdown()
+            self._io_pool = None
         self._finalizer()
 
     def _build(self) -> None:
@@ -210,11 +220,8 @@ class DiskRowStore:
         starts, ends = r[first_at], r[last_at] + 1
         spans = ends - starts
         buf = np.empty((int(spans.sum()), R), dtype=np.uint8)
-        at = 0
-        for s, k in zip(starts.tolist(), spans.tolist()):
-            self._pread_range(s, buf[at:at + k])
-            at += k
         base = np.cumsum(spans) - spans
+        self._pread_runs(starts, spans, base, buf)
         run = np.repeat(np.arange(len(starts)), last_at - first_at + 1)
         out.numpy()[:] = buf[base[run] + r - starts[run]]
         self.stats_["disk_bytes_read"] += buf.nbytes
@@ -222,6 +229,30 @@ class DiskRowStore:
         self.stats_["disk_reads"] += len(starts)
         self.stats_["disk_io_seconds"] += time.perf_counter() - start
         return out
+
+    def _pread_runs(self, starts: np.ndarray, spans: np.ndarray, base: np.ndarray, buf: np.ndarray) -> None:
+        """Run i (spans[i] records from row starts[i]) into buf[base[i]:]. With
+        many runs, io_threads threads issue them at once, each a contiguous
+        share of the sorted runs: a disk serves several requests in flight
+        faster than one at a time (an SSD many times faster; this machine's
+        virtual disk did 240 random 4 KiB reads/s one at a time and 450 with
+        several in flight), and os.preadv releases the GIL. The runs fill
+        disjoint parts of buf, so the bytes do not depend on the order."""
+        def read(lo: int, hi: int) -> None:
+            for s, k, b in zip(starts[lo:hi].tolist(), spans[lo:hi].tolist(), base[lo:hi].tolist()):
+                self._pread_range(s, buf[b:b + k])
+
+        n = len(starts)
+        workers = min(self.io_threads, n // PARALLEL_RUNS)
+        if workers <= 1:
+            return read(0, n)
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="recsys-disk-io")
+        bounds = np.linspace(0, n, workers + 1).astype(np.int64).tolist()
+        reads = [self._io_pool.submit(read, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        wait(reads)  # every read ends before buf is used or dropped
+        for r in reads:
+            r.result()  # a worker's error, raised here
 
     def _write_file(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Records of distinct `rows` into the file, sorted, one write per run of consecutive rows."""

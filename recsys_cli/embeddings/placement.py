@@ -144,7 +144,7 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
         host_rows = int(round(num_rows * placement.host_cache_ratio))
     store = DiskRowStore(specs, [n for n, _ in table_rows], table_precision, precision.rounding, seed,
                          1 if optimizer.has_state else 0, optimizer.initial_accumulator, placement.disk_path,
-                         host_rows)
+                         host_rows, io_threads=placement.disk_io_threads)
     rows = cache_rows if cache_rows is not None else placement.cache_rows
     return CachedGroup(
         tables=specs, feature_tables=[t.name for t in specs], store=store, optimizer=optimizer, device=device,

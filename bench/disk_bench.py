@@ -1,7 +1,9 @@
 """Disk tier benchmark (issue 17): `disk` against `host` placement.
 
     .venv/bin/python -m bench.disk_bench [--rows 200000] [--scale 1.0] [--steps 200] [--record]
-    .venv/bin/python -m bench.disk_bench --large [--large-scale 12] [--large-steps 2000] [--record]
+    .venv/bin/python -m bench.disk_bench --large [--large-scale 12] [--large-steps 2000]
+        [--large-precisions fp32,int8] [--record]
+    .venv/bin/python -m bench.disk_bench --io [--io-rows 8000000] [--io-reads 4000] [--record]
 
 1. Same model (dlrm_kaggle), same data (synthetic, Kaggle cardinalities x
    --scale), tables that fit in memory: `+placement=disk` with a host cache of
@@ -181,6 +183,8 @@ def benchmark_2(rows: int, scale: float, batch: int, steps: int, ratio: float, p
             cache = r.pop("cache")
             row = {"scale": scale, "precision": precision, "host cache ratio": ratio, "steps": steps, **r,
                    "disk MiB read/step": cache["disk_bytes_read_per_step"] / 2**20,
+                   "disk reads/step": cache.get("disk_reads", 0) / steps,
+                   "disk I/O ms/step (prefetch thread)": 1000 * cache.get("disk_io_seconds", 0) / steps,
                    "trainer waited ms/step": 1000 * cache["disk_wait_seconds_per_step"],
                    "wall s": time.perf_counter() - start, "load avg": os.getloadavg()[0],
                    "machine RAM GiB": memory_gib, "disk free GiB (after)": _free_gib(tmp)}
@@ -241,6 +245,7 @@ def main() -> None:
     parser.add_argument("--large-scale", type=float, default=12.0)
     parser.add_argument("--large-steps", type=int, default=2000)
     parser.add_argument("--large-host-cache-ratio", type=float, default=0.05)
+    parser.add_argument("--large-precisions", default="fp32,int8")
     parser.add_argument("--io", action="store_true", help="benchmark 3: cold reads by I/O threads")
     parser.add_argument("--io-rows", type=int, default=8_000_000)
     parser.add_argument("--io-reads", type=int, default=4_000)
@@ -259,10 +264,10 @@ def main() -> None:
                 "The ratio is what several requests in flight buy on this machine's disk.")
     elif args.large:
         rows = benchmark_2(args.rows, args.large_scale, args.batch, args.large_steps, args.large_host_cache_ratio,
-                           ["fp32", "int8"])
+                           args.large_precisions.split(","))
         cmd = (f"python -m bench.disk_bench --large --rows {args.rows} --large-scale {args.large_scale} "
                f"--large-steps {args.large_steps} --batch {args.batch} "
-               f"--large-host-cache-ratio {args.large_host_cache_ratio}")
+               f"--large-host-cache-ratio {args.large_host_cache_ratio} --large-precisions {args.large_precisions}")
         section = "Disk tier: tables beyond memory (disk placement, dim 16, Adagrad)"
         note = ("Goal (issue 17): Kaggle cardinalities x12 (about 26 GB) completes under a 4 GB host budget at "
                 ">= 0.5x benchmark 1's host run. Peak RSS per process. Machine memory and disk: see the rows.")

@@ -159,6 +159,8 @@ def test_parallel_disk_reads_train_to_the_same_bits(reference, tmp_path, monkeyp
     from embedding_harness import dense_state, tables_fp32
 
     monkeypatch.setattr(disk_store, "PARALLEL_RUNS", 1)
+    monkeypatch.setattr(disk_store, "PROBE_RUNS", 0)
+    monkeypatch.setattr(disk_store, "SLOW_READ_SECONDS", 0.0)  # page-cache reads count as slow
     optimizer, ref = reference
     model, opt = build({"kind": "disk", "cache_rows": SMALL_CACHE, "window": 4, "host_cache_rows": TINY_HOST_CACHE,
                         "disk_io_threads": 4, "disk_path": str(tmp_path)}, optimizer=optimizer)
@@ -176,10 +178,13 @@ def _store(tmp_path, io_threads: int, rows: int = 500_000):
                         host_cache_rows=0, io_threads=io_threads)
 
 
-def test_parallel_reads_return_the_serial_reads_bytes(tmp_path):
+def test_parallel_reads_return_the_serial_reads_bytes(tmp_path, monkeypatch):
     """Thousands of scattered runs (rows more than a page apart), read by one
     thread and by eight: the same records, and a read past the file's end is
     an error from either."""
+    import recsys_cli.embeddings.disk_store as disk_store
+
+    monkeypatch.setattr(disk_store, "SLOW_READ_SECONDS", 0.0)  # page-cache reads count as slow
     serial, parallel = _store(tmp_path, 1), _store(tmp_path, 8)
     ids = torch.randperm(2_500, generator=torch.Generator().manual_seed(0)) * 200
     ids = torch.cat([ids, ids[:100]])  # repeats come back for every position
@@ -189,6 +194,11 @@ def test_parallel_reads_return_the_serial_reads_bytes(tmp_path):
     got_serial, got_parallel = serial._read(ids), parallel._read(ids)
     assert parallel._io_pool is not None and serial._io_pool is None
     assert parallel.stats_["disk_reads"] == serial.stats_["disk_reads"] == 2_500
+    monkeypatch.setattr(disk_store, "SLOW_READ_SECONDS", 10.0)
+    fast = _store(tmp_path, 8)
+    fast._read(ids)
+    assert fast._io_pool is None  # reads faster than the threshold stay on the calling thread
+    fast.close()
     assert torch.equal(got_parallel, got_serial)
     assert torch.equal(parallel.read(ids)[0], rows[torch.cat([torch.arange(2_500), torch.arange(100)])])
     for store in (serial, parallel):  # the file loses its last rows under the store

@@ -74,7 +74,13 @@ OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
 BUILD_ELEMENTS = 1 << 16  # values initialised per piece (table_init.py: temporaries that stay in cache)
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
-PARALLEL_RUNS = 64  # reads per I/O thread below which handing them to threads costs more than it saves
+# Disk reads in flight (_pread_runs): a read whose first PROBE_RUNS runs took
+# SLOW_READ_SECONDS or more each came from the disk, not the page cache (a
+# few microseconds), and the rest go to the I/O threads, PARALLEL_RUNS at
+# least per thread.
+PROBE_RUNS = 8
+SLOW_READ_SECONDS = 50e-6
+PARALLEL_RUNS = 16
 
 
 def disk_error(path, e: OSError, doing: str) -> UserError:
@@ -231,24 +237,32 @@ class DiskRowStore:
         return out
 
     def _pread_runs(self, starts: np.ndarray, spans: np.ndarray, base: np.ndarray, buf: np.ndarray) -> None:
-        """Run i (spans[i] records from row starts[i]) into buf[base[i]:]. With
-        many runs, io_threads threads issue them at once, each a contiguous
-        share of the sorted runs: a disk serves several requests in flight
-        faster than one at a time (an SSD many times faster; this machine's
-        virtual disk did 240 random 4 KiB reads/s one at a time and 450 with
-        several in flight), and os.preadv releases the GIL. The runs fill
-        disjoint parts of buf, so the bytes do not depend on the order."""
+        """Run i (spans[i] records from row starts[i]) into buf[base[i]:].
+
+        Reads that come from the disk are shared out among io_threads threads,
+        each a contiguous share of the sorted runs: a disk serves several
+        requests in flight faster than one at a time (an SSD many times
+        faster; this machine's virtual disk about 2x), and os.preadv releases
+        the GIL. Reads the page cache serves take microseconds, and threads
+        would cost more than they save (8 threads made 128 such reads 7x
+        slower on two busy cores), so the first PROBE_RUNS runs are read here
+        and timed, and only reads slower than SLOW_READ_SECONDS each send the
+        rest to the threads. The runs fill disjoint parts of buf: the bytes
+        do not depend on who read them."""
         def read(lo: int, hi: int) -> None:
             for s, k, b in zip(starts[lo:hi].tolist(), spans[lo:hi].tolist(), base[lo:hi].tolist()):
                 self._pread_range(s, buf[b:b + k])
 
         n = len(starts)
-        workers = min(self.io_threads, n // PARALLEL_RUNS)
-        if workers <= 1:
-            return read(0, n)
+        probe = min(n, PROBE_RUNS)
+        began = time.perf_counter()
+        read(0, probe)
+        workers = min(self.io_threads, (n - probe) // PARALLEL_RUNS)
+        if workers <= 1 or (time.perf_counter() - began) / max(probe, 1) < SLOW_READ_SECONDS:
+            return read(probe, n)
         if self._io_pool is None:
             self._io_pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="recsys-disk-io")
-        bounds = np.linspace(0, n, workers + 1).astype(np.int64).tolist()
+        bounds = np.linspace(probe, n, workers + 1).astype(np.int64).tolist()
         reads = [self._io_pool.submit(read, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
         wait(reads)  # every read ends before buf is used or dropped
         for r in reads:

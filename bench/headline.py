@@ -66,8 +66,8 @@ def stage(name: str, command: list[str], log: Path) -> dict:
         tail = log.read_text()[-3000:]
         raise SystemExit(f"{name} failed with exit code {code} (log {log}):\n{tail}")
     result = {"stage": name, "seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
-              "peak_rss_mb": usage.ru_maxrss / 1024, "load_avg_1m": os.getloadavg()[0]}
-    print(f"== {name}: {seconds:,.1f} s, peak RSS {result['peak_rss_mb']:,.0f} MB", file=sys.stderr, flush=True)
+              "peak_rss_mib": usage.ru_maxrss / 1024, "load_avg_1m": os.getloadavg()[0]}
+    print(f"== {name}: {seconds:,.1f} s, peak RSS {result['peak_rss_mib']:,.0f} MiB", file=sys.stderr, flush=True)
     return result
 
 
@@ -111,7 +111,7 @@ def figures(summary: dict) -> dict:
 
 
 def markdown(results: list[dict]) -> list[str]:
-    lines = ["| stage | seconds | CPU s | peak RSS MB | notes |", "|---|---:|---:|---:|---|"]
+    lines = ["| stage | seconds | CPU s | peak RSS MiB | notes |", "|---|---:|---:|---:|---|"]
     for r in results:
         notes = []
         if "input_mb" in r:
@@ -123,7 +123,7 @@ def markdown(results: list[dict]) -> list[str]:
             notes += [f"{k} {v:,.4g}" for k, v in s.items() if v is not None and k != "peak_host_rss_bytes"]
             notes.append(f"end to end {r['end_to_end_seconds'] / 60:,.1f} min")
         lines.append(f"| {r['stage']} | {r['seconds']:,.1f} | {r['cpu_seconds']:,.1f} | "
-                     f"{r['peak_rss_mb']:,.0f} | {'; '.join(notes)} |")
+                     f"{r['peak_rss_mib']:,.0f} | {'; '.join(notes)} |")
     return lines
 
 
@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         command = "python -m bench.headline " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
                                                          if a != "--record")
         record("Headline: raw TSV -> preprocess -> one epoch -> test evaluation",
-               ["stage", "rows", "seconds", "CPU seconds", "peak RSS MB", "samples/s (steady)", "test AUC",
+               ["stage", "rows", "seconds", "CPU seconds", "peak RSS MiB", "samples/s (steady)", "test AUC",
                 "end to end min", "load avg"],
                [{"stage": r["stage"], "rows": args.rows, "seconds": r["seconds"], "CPU seconds": r["cpu_seconds"],
-                 "peak RSS MB": r["peak_rss_mb"],
+                 "peak RSS MiB": r["peak_rss_mib"],
                  "samples/s (steady)": _steady(r.get("summary", {})),
                  "test AUC": r.get("summary", {}).get("test_auc"),
                  "end to end min": r["end_to_end_seconds"] / 60 if "end_to_end_seconds" in r else None,

@@ -54,7 +54,12 @@ def record(section: str, columns: list[str], rows: list[dict], command: str, not
         last_header = [ln for ln in section_text.splitlines() if ln.startswith("| date |")][-1:]
         if last_header != [header_line]:  # the columns changed: a new table under the old one
             lines = ["", header_line, "|" + "---|" * len(header), *lines]
-        text = text[:start] + section_text + "\n" + "\n".join(lines) + "\n" + text[end:]
+            text = text[:start] + section_text + "\n" + "\n".join(lines) + "\n" + text[end:]
+        else:  # under the table's last row, above any note written after the table
+            body = section_text.splitlines()
+            last_row = max(i for i, ln in enumerate(body) if ln.startswith("|"))
+            body[last_row + 1:last_row + 1] = lines
+            text = text[:start] + "\n".join(body) + "\n" + text[end:]
     tmp = DOC.with_suffix(".md.tmp")
     tmp.write_text(text)
     os.replace(tmp, DOC)

@@ -20,6 +20,17 @@ def test_roc_auc_small_cases_and_inputs():
     assert math.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1])))
 
 
+def test_roc_auc_equals_the_pairwise_count_with_ties():
+    """AUC is the share of (positive, negative) pairs ranked right, ties half:
+    counted pair by pair it is the same float the rank-sum formula gives."""
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(600, generator=gen) * 3).round().numpy()  # many ties
+    labels = (torch.rand(600, generator=gen) < 0.3).numpy()
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    assert roc_auc(scores, labels) == wins / (len(pos) * len(neg))
+
+
 def _data(n=2000, seed=0):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, generator=gen, dtype=torch.float64) - 1

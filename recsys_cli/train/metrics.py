@@ -25,7 +25,11 @@ def _as_float64(x) -> torch.Tensor:
 def log_loss(labels, probs) -> float:
     """Mean binary cross-entropy of predicted click probabilities."""
     y, p = _as_float64(labels), _as_float64(probs).clamp(_PROB_EPS, 1 - _PROB_EPS)
-    return -(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean().item()
+    # The same products and sum as -(y * log(p) + (1 - y) * log1p(-p)), in
+    # place: on a split of millions of rows each float64 temporary is tens of MB.
+    positive = torch.log(p).mul_(y)
+    negative = torch.log1p(p.neg_()).mul_(1 - y)
+    return -positive.add_(negative).mean().item()
 
 
 def binary_entropy(rate: float) -> float:
@@ -85,10 +89,11 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
     logits, labels = _as_float64(logits), _as_float64(labels)
     probs = torch.sigmoid(logits)
     predicted, observed = probs.mean().item(), labels.mean().item()
+    loss = log_loss(labels, probs)
     return {
         "auc": roc_auc(logits.numpy(), labels.numpy()),
-        "logloss": log_loss(labels, probs),
-        "normalized_entropy": normalized_entropy(labels, probs),
+        "logloss": loss,
+        "normalized_entropy": loss / binary_entropy(observed),  # normalized_entropy(), its log loss computed once
         "accuracy": ((logits > 0).double() == labels).double().mean().item(),
         "predicted_ctr": predicted,
         "observed_ctr": observed,

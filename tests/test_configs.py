@@ -189,3 +189,11 @@ def test_every_closed_choice_is_an_enum_of_the_schema():
         assert isinstance(value, choice) and value == value.value  # a member that is its own word
         with pytest.raises(Exception, match="expected one of"):
             schema[group][field] = "no-such-choice"
+
+
+@pytest.mark.parametrize("key", ["placement.window", "placement.disk_io_threads", "trainer.eval_batch_size"])
+def test_counts_below_one_are_errors_naming_the_key(key):
+    cfg = OmegaConf.structured(TrainConfig)
+    OmegaConf.update(cfg, key, 0)
+    with pytest.raises(UserError, match=rf"^{re.escape(key)} must be >= 1, got 0$"):
+        validate(cfg)

@@ -242,8 +242,8 @@ class DiskRowStore:
         Reads that come from the disk are shared out among io_threads threads,
         each a contiguous share of the sorted runs: a disk serves several
         requests in flight faster than one at a time (an SSD many times
-        faster; this machine's virtual disk about 3x with 8), and os.preadv releases
-        the GIL. Reads the page cache serves take microseconds, and threads
+        faster; this machine's virtual disk about 3x with 8), and os.preadv
+        releases the GIL. Reads the page cache serves take microseconds, and threads
         would cost more than they save (8 threads made 128 such reads 7x
         slower on two busy cores), so the first PROBE_RUNS runs are read here
         and timed, and only reads slower than SLOW_READ_SECONDS each send the

@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -22,14 +23,35 @@ def _as_float64(x) -> torch.Tensor:
     return torch.as_tensor(x).detach().double().flatten().cpu()
 
 
-def log_loss(labels, probs) -> float:
-    """Mean binary cross-entropy of predicted click probabilities."""
-    y, p = _as_float64(labels), _as_float64(probs).clamp(_PROB_EPS, 1 - _PROB_EPS)
-    # The same products and sum as -(y * log(p) + (1 - y) * log1p(-p)), in
-    # place: on a split of millions of rows each float64 temporary is tens of MB.
+# Rows per float64 temporary of the metrics below: 2 MiB each, not a split's
+# worth (a Kaggle-sized split has 3.3M rows, 26 MB per float64 copy).
+_CHUNK_ROWS = 1 << 18
+
+
+def _chunks(*columns) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The columns' rows _CHUNK_ROWS at a time, each chunk as float64, in row
+    order: sums over them are a fixed sequence of additions for any split."""
+    flat = [torch.as_tensor(c).detach().flatten().cpu() for c in columns]
+    for lo in range(0, flat[0].numel(), _CHUNK_ROWS):
+        yield tuple(c[lo:lo + _CHUNK_ROWS].double() for c in flat)
+
+
+def _log_loss_sum(y: torch.Tensor, p: torch.Tensor) -> float:
+    """Sum of the binary cross-entropy of float64 labels and probabilities."""
+    p = p.clamp(_PROB_EPS, 1 - _PROB_EPS)
+    # The products and sum of -(y * log(p) + (1 - y) * log1p(-p)), in place.
     positive = torch.log(p).mul_(y)
     negative = torch.log1p(p.neg_()).mul_(1 - y)
-    return -positive.add_(negative).mean().item()
+    return -positive.add_(negative).sum().item()
+
+
+def _mean(x) -> float:
+    return sum(c.sum().item() for c, in _chunks(x)) / torch.as_tensor(x).numel()
+
+
+def log_loss(labels, probs) -> float:
+    """Mean binary cross-entropy of predicted click probabilities."""
+    return sum(_log_loss_sum(y, p) for y, p in _chunks(labels, probs)) / torch.as_tensor(labels).numel()
 
 
 def binary_entropy(rate: float) -> float:
@@ -45,14 +67,17 @@ def normalized_entropy(labels, probs) -> float:
     "Practical lessons from predicting clicks on ads at Facebook", 2014):
     1.0 is no better than predicting the base rate, lower is better. nan when
     the labels hold one class only."""
-    return log_loss(labels, probs) / binary_entropy(_as_float64(labels).mean().item())
+    return log_loss(labels, probs) / binary_entropy(_mean(labels))
+
+
+def _calibration(predicted: float, observed: float) -> float:
+    return predicted / observed if observed > 0 else float("nan")
 
 
 def calibration(labels, probs) -> float:
     """Mean predicted click probability over the observed click rate (He et
     al. 2014): 1.0 is calibrated, above 1 over-predicts. nan without clicks."""
-    observed = _as_float64(labels).mean().item()
-    return _as_float64(probs).mean().item() / observed if observed > 0 else float("nan")
+    return _calibration(_mean(probs), _mean(labels))
 
 
 class SplitPredictions:
@@ -85,20 +110,28 @@ class SplitPredictions:
 
 def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """Evaluation of a split: AUC, log loss, normalized entropy, accuracy, and
-    calibration (mean predicted CTR beside the observed CTR)."""
-    logits, labels = _as_float64(logits), _as_float64(labels)
-    probs = torch.sigmoid(logits)
-    predicted, observed = probs.mean().item(), labels.mean().item()
-    loss = log_loss(labels, probs)
+    calibration (mean predicted CTR beside the observed CTR). One pass over
+    the rows in float64 chunks: the same sums as log_loss(), calibration()
+    and normalized_entropy() of sigmoid(logits), with a working set of a few
+    chunks, not of several float64 copies of the split."""
+    n = torch.as_tensor(labels).numel()
+    predicted = clicks = loss = correct = 0.0
+    for z, y in _chunks(logits, labels):
+        p = torch.sigmoid(z)
+        predicted += p.sum().item()
+        clicks += y.sum().item()
+        loss += _log_loss_sum(y, p)
+        correct += ((z > 0).double() == y).sum().item()
+    predicted, observed, loss = predicted / n, clicks / n, loss / n
     return {
-        "auc": roc_auc(logits.numpy(), labels.numpy()),
+        "auc": roc_auc(torch.as_tensor(logits).detach().cpu().numpy(), torch.as_tensor(labels).detach().cpu().numpy()),
         "logloss": loss,
-        "normalized_entropy": loss / binary_entropy(observed),  # normalized_entropy(), its log loss computed once
-        "accuracy": ((logits > 0).double() == labels).double().mean().item(),
+        "normalized_entropy": loss / binary_entropy(observed),
+        "accuracy": correct / n,
         "predicted_ctr": predicted,
         "observed_ctr": observed,
-        "calibration": calibration(labels, probs),
-        "samples": labels.numel(),
+        "calibration": _calibration(predicted, observed),
+        "samples": n,
     }
 
 

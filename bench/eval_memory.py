@@ -59,12 +59,13 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from recsys_cli.train.memory import current_rss_bytes, return_free_memory
-    from recsys_cli.train.metrics import binary_metrics
+    from recsys_cli.config import register_configs
+    from recsys_cli.train.memory import current_rss_bytes
     from recsys_cli.train.trainer import Trainer
 
     overrides = ["dataset=criteo_kaggle", f"dataset.path={args.dataset}", "model=dlrm_kaggle", "trainer.progress=false",
                  "trainer.checkpoint_every=null", "trainer.final_checkpoint=false", "trainer.device=cpu", *args.set]
+    register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     trainer = Trainer(cfg)
@@ -78,9 +79,8 @@ def main() -> None:
         sampler.reset()
         logits, labels = trainer.predictions(args.split)  # Trainer.evaluate's two phases, each with its peak
         loop_peak = sampler.reset()
-        result = binary_metrics(logits, labels)
+        result = trainer.metrics(logits, labels)
         del logits, labels
-        return_free_memory()
         metrics_peak = sampler.reset()
         rows.append({"evaluation": k, "RSS after MiB": current_rss_bytes() / MiB,
                      "prediction loop peak MiB": loop_peak / MiB, "metrics peak MiB": metrics_peak / MiB,

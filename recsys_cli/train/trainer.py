@@ -393,7 +393,11 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------
     def evaluate(self, split: str) -> dict:
-        result = binary_metrics(*self.predictions(split))
+        return self.metrics(*self.predictions(split))
+
+    def metrics(self, logits: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The metrics of a split's predictions."""
+        result = binary_metrics(logits, labels)
         return_free_memory()  # its temporaries' pages: RSS must not grow with each evaluation
         return result
 
@@ -402,6 +406,9 @@ class Trainer:
         """fp32 logits and labels of every row of `split`, in the split's order."""
         self.model.eval()
         loader = self.eval_loaders[split]
+        # What training freed (its loader's row groups, the batches in flight)
+        # goes back before the evaluation's own working set is added to it.
+        return_free_memory()
         predictions = SplitPredictions(loader.num_rows)  # this rank's share is at most the split
         self.strategy.before_eval()
         with self.timer.phase("eval"):
@@ -409,6 +416,7 @@ class Trainer:
                 batch = self.to_device(batch)
                 predictions.add(self.model(batch), batch.labels)
         self.model.train()
+        return_free_memory()  # the batches' pages, before the metrics sort the split
         # The whole split: every rank's predictions.
         return self.strategy.gather_predictions(*predictions.result())
 

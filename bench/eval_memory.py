@@ -90,12 +90,13 @@ def main() -> None:
     if args.record:
         from bench.record import record
 
-        record("Evaluation memory: RSS through repeated evaluations (dlrm_kaggle, device placement)",
+        record("Evaluation memory by phase: the prediction loop and the metrics (dlrm_kaggle)",
                list(rows[0]), rows,
                f"python -m bench.eval_memory --dataset {args.dataset} --split {args.split} "
                f"--evaluations {args.evaluations}" + "".join(f" --set {s}" for s in args.set),
-               note="One process: the trainer is built (no training), then one split is evaluated again and again "
-                    "(the config's eval batch); the two phases' peaks are the prediction loop's and the metrics'.")
+               note="One process: the trainer is built (no training), then one split is evaluated again and again; "
+                    "each evaluation's two phases (Trainer.predictions, then Trainer.metrics) have their own peak, "
+                    "sampled every 10 ms. The command's --set overrides say the placement, precision and eval batch.")
 
 
 if __name__ == "__main__":

@@ -149,3 +149,38 @@ def test_binary_metrics_memory_is_a_few_chunks_not_copies_of_the_split():
                          cwd=Path(__file__).resolve().parents[1])  # a fresh process: its peak is the metrics' own
     growth = int(out.stdout.split()[-1])
     assert growth < 100 * 2**20, f"binary_metrics raised peak RSS by {growth / 2**20:.0f} MiB"
+
+
+def test_roc_curve_is_the_rates_at_every_distinct_threshold(monkeypatch):
+    """Each point is (FPR, TPR) of predicting positive at or above one of the
+    distinct scores, from the highest down, counted threshold by threshold;
+    float32 scores give the float64 widening's curve, and calibration bins
+    counted in chunks are the bins counted row by row."""
+    import recsys_cli.train.metrics as metrics
+    from recsys_cli.train.metrics import calibration_bins, roc_curve
+
+    gen = torch.Generator().manual_seed(8)
+    scores = (torch.randn(500, generator=gen) * 3).round().float()  # ties
+    labels = (torch.rand(500, generator=gen) < 0.35).float()
+    curve = roc_curve(scores, labels, points=10_000)
+    pos, neg = labels > 0.5, labels < 0.5
+    fpr, tpr = [0.0], [0.0]
+    for t in torch.unique(scores).flip(0):
+        fpr.append(((scores >= t) & neg).sum().item() / neg.sum().item())
+        tpr.append(((scores >= t) & pos).sum().item() / pos.sum().item())
+    assert curve == {"fpr": fpr, "tpr": tpr}
+    assert roc_curve(scores.double(), labels, points=10_000) == curve
+    thinned = roc_curve(scores, labels, points=5)
+    assert len(thinned["fpr"]) == 5 and thinned["fpr"][0] == 0.0 and thinned["tpr"][-1] == 1.0
+
+    probs = torch.sigmoid(torch.randn(1000, generator=gen, dtype=torch.float64))
+    clicks = (torch.rand(1000, generator=gen, dtype=torch.float64) < probs).double()
+    chunked = calibration_bins(clicks, probs, bins=7)
+    for b in chunked:
+        inside = (probs >= b["lo"]) & ((probs < b["hi"]) | (b["hi"] == 1.0))
+        assert b["rows"] == inside.sum().item()
+        if b["rows"]:
+            assert b["predicted"] == pytest.approx(probs[inside].mean().item(), rel=1e-12)
+            assert b["observed"] == pytest.approx(clicks[inside].mean().item(), rel=1e-12)
+    monkeypatch.setattr(metrics, "_CHUNK_ROWS", 64)
+    assert [b["rows"] for b in calibration_bins(clicks, probs, bins=7)] == [b["rows"] for b in chunked]

@@ -19,10 +19,6 @@ from recsys_cli.errors import write_error
 _PROB_EPS = 1e-15  # probabilities are clipped to [eps, 1 - eps] so one certain mistake costs 34.5, not inf
 
 
-def _as_float64(x) -> torch.Tensor:
-    return torch.as_tensor(x).detach().double().flatten().cpu()
-
-
 # Rows per float64 temporary of the metrics below: 2 MiB each, not a split's
 # worth (a Kaggle-sized split has 3.3M rows, 26 MB per float64 copy).
 _CHUNK_ROWS = 1 << 18
@@ -138,12 +134,14 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, floa
 def calibration_bins(labels, probs, bins: int = 10) -> list[dict]:
     """Predicted vs observed click rate in `bins` equal-width bins of the
     predicted probability: per bin its range, rows, mean prediction and
-    observed rate (None for an empty bin)."""
-    y, p = _as_float64(labels), _as_float64(probs)
-    which = (p * bins).long().clamp_(0, bins - 1)
-    count = torch.bincount(which, minlength=bins)
-    pred = torch.bincount(which, weights=p, minlength=bins)
-    obs = torch.bincount(which, weights=y, minlength=bins)
+    observed rate (None for an empty bin). Counted chunk by chunk."""
+    count = torch.zeros(bins, dtype=torch.int64)
+    pred, obs = torch.zeros(bins, dtype=torch.float64), torch.zeros(bins, dtype=torch.float64)
+    for y, p in _chunks(labels, probs):
+        which = (p * bins).long().clamp_(0, bins - 1)
+        count += torch.bincount(which, minlength=bins)
+        pred += torch.bincount(which, weights=p, minlength=bins)
+        obs += torch.bincount(which, weights=y, minlength=bins)
     return [{"lo": i / bins, "hi": (i + 1) / bins, "rows": int(count[i]),
              "predicted": (pred[i] / count[i]).item() if count[i] else None,
              "observed": (obs[i] / count[i]).item() if count[i] else None} for i in range(bins)]
@@ -151,17 +149,25 @@ def calibration_bins(labels, probs, bins: int = 10) -> list[dict]:
 
 def roc_curve(scores, labels, points: int = 1001) -> dict[str, list[float]]:
     """False and true positive rates at every distinct threshold (tied scores
-    move together), thinned to about `points` points for plotting."""
-    s = _as_float64(scores)
-    y = _as_float64(labels) > 0.5
+    move together), thinned to about `points` points for plotting. Float
+    scores are sorted as they are (as roc_auc does), and the rates come from
+    integer counts at the tie groups' ends, not from float64 copies of the split."""
+    s = torch.as_tensor(scores).detach().flatten().cpu()
+    if not s.is_floating_point():
+        s = s.double()
+    y = torch.as_tensor(labels).detach().flatten().cpu() > 0.5
     order = torch.argsort(s, descending=True)
-    s, y = s[order], y[order].double()
-    tp, fp = torch.cumsum(y, 0), torch.cumsum(1 - y, 0)
+    s, y = s[order], y[order]
+    del order
     last = torch.ones(len(s), dtype=torch.bool)
     if len(s) > 1:
         last[:-1] = s[1:] != s[:-1]  # the last row of each tie group
-    tp, fp = torch.cat([torch.zeros(1, dtype=torch.float64), tp[last]]), torch.cat([torch.zeros(1, dtype=torch.float64), fp[last]])
-    tpr, fpr = tp / max(tp[-1].item(), 1.0), fp / max(fp[-1].item(), 1.0)
+    del s
+    ends = torch.nonzero(last).flatten()
+    zero = torch.zeros(1, dtype=torch.int64)
+    tp = torch.cat([zero, torch.cumsum(y, 0)[ends]])  # positives at or above each threshold
+    fp = torch.cat([zero, ends + 1]) - tp
+    tpr, fpr = tp.double() / max(tp[-1].item(), 1), fp.double() / max(fp[-1].item(), 1)
     if len(tpr) > points:
         keep = torch.unique(torch.linspace(0, len(tpr) - 1, points).round().long())
         tpr, fpr = tpr[keep], fpr[keep]

@@ -6,7 +6,7 @@
 Trains the same configuration (device placement, no checkpoints, no
 evaluation, one epoch long enough for the long run) for `--short` and for
 `--long` steps, each in its own process, and reports each process's peak RSS
-(ru_maxrss) and the RSS samples summary.json records at every log step. The
+(VmHWM) and the RSS samples summary.json records at every log step. The
 goal: peak RSS at many steps within 10 % of the peak at few steps. The issue's
 full scale is 3k vs 300k steps of model=dlrm_kaggle; the defaults here (a
 small model, 30k steps) fit a few minutes on two cores, and the same loader,
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ def child(args) -> None:
     from omegaconf import OmegaConf
 
     from recsys_cli.config import TrainConfig
+    from recsys_cli.train.memory import peak_rss_bytes
     from recsys_cli.train.trainer import Trainer
 
     cfg = OmegaConf.structured(TrainConfig)
@@ -62,7 +62,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     summary = trainer.fit()
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    peak = peak_rss_bytes() / 2**20
     print(json.dumps({"steps": summary["steps"], "peak_rss_mib": peak, "seconds": seconds,
                       "rss": [[step, b / 2**20] for step, b in summary["memory"]["rss_bytes"]]}), flush=True)
 

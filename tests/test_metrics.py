@@ -134,8 +134,8 @@ def test_binary_metrics_memory_is_a_few_chunks_not_copies_of_the_split():
     from pathlib import Path
 
     script = (
-        "import resource, torch\n"
-        "from recsys_cli.train.memory import current_rss_bytes\n"
+        "import torch\n"
+        "from recsys_cli.train.memory import current_rss_bytes, peak_rss_bytes\n"
         "from recsys_cli.train.metrics import binary_metrics\n"
         "n = 3_274_329\n"
         "g = torch.Generator().manual_seed(0)\n"
@@ -144,7 +144,7 @@ def test_binary_metrics_memory_is_a_few_chunks_not_copies_of_the_split():
         "binary_metrics(logits[:1000], labels[:1000])\n"
         "before = current_rss_bytes()\n"
         "binary_metrics(logits, labels)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)\n")
+        "print(peak_rss_bytes() - before)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])  # a fresh process: its peak is the metrics' own
     growth = int(out.stdout.split()[-1])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import time
 import torch
 
 from bench.peers.systems import SYSTEMS, Recsys, Setup, build, dataset_dir, shapes_of
+from recsys_cli.train.memory import peak_rss_bytes  # VmHWM: a child's own peak, not its parent's
 
 LOSS_STEPS = 20  # first steps whose losses are compared with recsys's
 
@@ -118,20 +118,7 @@ def run_only(setup: Setup, name: str, steps: int) -> None:
     system = build(name, setup, cfg, shapes, data, None)
     batches = iter(system.loader())
     chunk(system, batches, steps)
-    print(json.dumps({"system": name, "peak_rss_bytes": peak_rss_self()}))
-
-
-def peak_rss_self() -> int:
-    """This process's peak RSS: VmHWM, which belongs to the process image.
-    (getrusage's ru_maxrss survives exec on Linux, so a child started by a
-    large parent would report the parent's peak.)"""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"system": name, "peak_rss_bytes": peak_rss_bytes()}))
 
 
 def main() -> None:

@@ -27,7 +27,18 @@ def current_rss_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (ru_maxrss, KiB on Linux)."""
+    """This process's peak resident set size so far: VmHWM of /proc/self/status,
+    the high-water mark of this process image. Not getrusage's ru_maxrss (the
+    fallback where /proc is missing): Linux carries it across exec, so a
+    process started by a larger parent (a test suite, a launcher that
+    imported torch) reports the parent's RSS as its own peak."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

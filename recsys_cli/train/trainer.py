@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.loggers import make_log
-from recsys_cli.train.memory import RSSTrace, return_free_memory
+from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
 from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
@@ -469,7 +468,7 @@ class Trainer:
     # --- the report --------------------------------------------------------------
     def summary(self, final: dict) -> dict:
         cfg = self.cfg
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak_rss = peak_rss_bytes()
         summary = {
             "steps": self.step,
             "samples": self.samples,

@@ -217,10 +217,7 @@ def benchmark_io(rows: int, reads: int, rounds: int, threads: list[int]) -> list
                 for n in threads:
                     if cache == "dropped":
                         os.posix_fadvise(store.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    if store._io_pool is not None:  # a pool sized to this count, not to the first one used
-                        store._io_pool.shutdown()
-                        store._io_pool = None
-                    store.io_threads = n
+                    store.set_io_threads(n)  # a pool sized to this count, not to the first one used
                     start = time.perf_counter()
                     store._read(ids)  # "warm": the pages the dropped reads just brought in
                     times[cache, n].append(time.perf_counter() - start)

@@ -103,11 +103,9 @@ class DiskRowStore:
     def __init__(self, tables: list[TableSpec], table_numbers: list[int], precision: str, rounding: str, seed: int,
                  state_width: int, initial_state: float, directory: str | None, host_cache_rows: int,
                  io_threads: int = 1) -> None:
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        self.tables = tables
-        self.io_threads = io_threads
         self._io_pool: ThreadPoolExecutor | None = None  # made at the first read that uses it
+        self.set_io_threads(io_threads)
+        self.tables = tables
         self.dim = tables[0].dim
         self.num_rows = sum(t.num_rows for t in tables)
         self.seed = seed
@@ -172,10 +170,18 @@ class DiskRowStore:
 
     def close(self) -> None:
         """Close and delete the store's file (its directory is the store's own)."""
+        self.set_io_threads(self.io_threads)  # stops the pool
+        self._finalizer()
+
+    def set_io_threads(self, io_threads: int) -> None:
+        """Reads in flight from now on: the pool of the old count stops, and the
+        next read that needs threads starts one of `io_threads`."""
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         if self._io_pool is not None:
             self._io_pool.shutdown()
             self._io_pool = None
-        self._finalizer()
+        self.io_threads = io_threads
 
     def _build(self) -> None:
         """Every table's initial rows, chunk by chunk, straight into the file."""

@@ -65,9 +65,11 @@ def main() -> None:
 
     overrides = ["dataset=criteo_kaggle", f"dataset.path={args.dataset}", "model=dlrm_kaggle", "trainer.progress=false",
                  "trainer.checkpoint_every=null", "trainer.final_checkpoint=false", "trainer.device=cpu", *args.set]
+    from recsys_cli.config_groups import group_overrides
+
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+        cfg = compose(config_name="train", overrides=group_overrides(overrides))
     trainer = Trainer(cfg)
     sampler = PeakSampler(current_rss_bytes)
     MiB = 2**20

@@ -15,7 +15,7 @@ from recsys_cli.errors import UserError, fail, write_error
 USAGE = """usage: recsys COMMAND [hydra overrides]
 
 commands:
-  train                 train DLRM (recsys train +placement=lookahead optimizer.lr=0.1)
+  train                 train DLRM (recsys train placement=lookahead optimizer.lr=0.1)
   preprocess criteo     raw Criteo TSV -> parquet shards + manifest (input=PATH output=DIR)
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)

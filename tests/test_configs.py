@@ -28,8 +28,7 @@ CONFIGS = REPO / "configs"
 
 
 def defaults_groups() -> set[str]:
-    """Groups in train.yaml's defaults list (chosen with group=option); the
-    others (placement, precision, dedup) are appended with +group=option."""
+    """Groups in train.yaml's defaults list (chosen with group=option)."""
     defaults = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
     return {next(iter(d)) for d in defaults if isinstance(d, dict)}
 
@@ -39,7 +38,12 @@ def group_options() -> list[tuple[str, str]]:
 
 
 def option_override(group: str, option: str) -> str:
-    return f"{group}={option}" if group in defaults_groups() else f"+{group}={option}"
+    return f"{group}={option}"
+
+
+def test_every_group_is_in_the_defaults_list():
+    """So that `placement=lookahead` works as for any Hydra group (issue 28)."""
+    assert defaults_groups() == {p.name for p in CONFIGS.iterdir() if p.is_dir()}
 
 
 def flatten(node: dict, prefix: str) -> dict:
@@ -53,9 +57,12 @@ def flatten(node: dict, prefix: str) -> dict:
 
 
 def compose_train(overrides: list[str], config_dir: Path = CONFIGS):
+    """As `recsys train` composes: `+placement=x` (the older spelling) is `placement=x`."""
+    from recsys_cli.config_groups import group_overrides
+
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=group_overrides(overrides))
 
 
 def test_every_yaml_file_is_tested():
@@ -137,7 +144,7 @@ def expand_sweeps(args: list[str]) -> list[list[str]]:
 
 def test_readme_lists_train_commands():
     commands = readme_train_commands()
-    assert len(commands) >= 10 and any("+placement=lookahead" in c for c in commands)
+    assert len(commands) >= 10 and any("placement=lookahead" in c for c in commands)
 
 
 @pytest.mark.parametrize("command", readme_train_commands())

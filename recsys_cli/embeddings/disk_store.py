@@ -4,7 +4,7 @@ behind a bounded host cache of rows.
 The store implements RowStore's protocol (store.py: read/write/encode,
 read_rows/read_state, table_snapshot/load_table,
 memory/stats), so a CachedGroup (cache.py) sits in front of it exactly as in
-front of a host store: `+placement=disk` is the lookahead cache over this
+front of a host store: `placement=disk` is the lookahead cache over this
 store, and every invariant of the cache (one owner per row, residency from
 the batches alone, exact resume) holds unchanged. Values are stored bit for
 bit as a RowStore stores them (the same encode, keyed by the same rounding

@@ -160,7 +160,7 @@ def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, 
     (and, with placement.host_memory_budget, the host budget: the rest on disk)."""
 
     if not placement.device_memory_budget:
-        raise UserError("+placement=auto needs placement.device_memory_budget=SIZE (e.g. 64MiB, 2GiB)")
+        raise UserError("placement=auto needs placement.device_memory_budget=SIZE (e.g. 64MiB, 2GiB)")
     budget = parse_bytes(placement.device_memory_budget)
     profile = measure_access(sample_batches, features, vocab_sizes)
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]

@@ -1,4 +1,4 @@
-"""The automatic placement planner: `+placement=auto placement.device_memory_budget=64MiB`.
+"""The automatic placement planner: `placement=auto placement.device_memory_budget=64MiB`.
 
 Pure functions; placement.py and the trainer wire them in.
 

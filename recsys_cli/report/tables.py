@@ -94,7 +94,7 @@ def console_tables(rows: list[dict], root: Path, width: int | None = None) -> li
     headers = ["run", "steps", *(PHASE_SHORT.get(p, p.replace("_", " ")) for p in phases), "total"]
     tables += _packed_tables("seconds per phase (whole run)", headers, cells, width)
     disk = [r for r in rows if r.get("disk_bytes")]
-    if disk:  # only when some run keeps tables on disk (+placement=disk)
+    if disk:  # only when some run keeps tables on disk (placement=disk)
         wait_ms = lambda s: None if s is None else s * 1000  # noqa: E731
         cells = [[r["run"], format_bytes(r["disk_bytes"]), format_bytes(r["disk_bytes_read_per_step"]),
                   format_bytes(r["disk_bytes_written_per_step"]), _fmt(r["disk_read_amplification"], ".2f"),

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from recsys_cli.config import register_configs
+from recsys_cli.config_groups import group_overrides
 from recsys_cli.errors import UserError, fail, write_error
 from recsys_cli.train import distributed, rundir
 
@@ -120,6 +121,7 @@ def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
 
 
 def run_train_app(overrides: list[str]) -> None:
+    overrides = group_overrides(overrides)  # +placement=x, the older spelling, is placement=x
     register_configs()
     check_overrides(overrides)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)

@@ -55,7 +55,7 @@ def check(cfg, embeddings) -> None:
     if not cached:
         raise UserError(
             f"trainer.embedding_sync=cache_avg averages cache rows, but placement.kind={cfg.placement.kind} "
-            "puts no table behind a cache: use +placement=lookahead (or cache), or trainer.embedding_sync=grad"
+            "puts no table behind a cache: use placement=lookahead (or cache), or trainer.embedding_sync=grad"
         )
     if any(g.store.precision != "fp32" for g in cached):
         raise UserError(

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
-from recsys_cli.embeddings.planner import device_row_bytes, plan_placement
+from recsys_cli.embeddings.planner import allocator_reserve, device_row_bytes, plan_placement
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 
@@ -19,7 +19,7 @@ UNIQUE = {"a": 10, "c": 40}
 
 
 def plan(host_budget, precision="fp32", state=1):
-    budget = 60 * device_row_bytes(DIM, state)
+    budget = 60 * device_row_bytes(DIM, state) + allocator_reserve(state)
     return plan_placement(TABLES, HOT, budget, precision, state, UNIQUE, reads=READS,
                           host_budget_bytes=host_budget, host_cache_ratio=0.05)
 

@@ -16,6 +16,8 @@ from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.planner import (
     PlacementPlan,
+    allocator_block_bytes,
+    allocator_reserve,
     device_row_bytes,
     measure_access,
     measure_skew,
@@ -25,6 +27,7 @@ from recsys_cli.embeddings.planner import (
 )
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
+from devices import fresh_cuda_block
 
 
 # --- parse_bytes ----------------------------------------------------------------------
@@ -146,6 +149,15 @@ def random_case(rng):
     return tables, hot, unique, state, precision, budget, reads
 
 
+def test_allocator_block_bound_covers_the_cuda_allocators_blocks():
+    sizes = [1, 511, 512, 513, 48 * 1024, 2**20 - 1, 2**20, 2**20 + 1, 9 * 2**20, 11 * 2**20, 11 * 2**20 + 1,
+             19 * 2**20 + 7, 2**30 + 3]
+    for n in sizes:
+        assert fresh_cuda_block(n) <= allocator_block_bytes(n) <= n + 512 + 2**20
+    assert allocator_block_bytes(0) == 0 and allocator_block_bytes(513) == 1024
+    assert fresh_cuda_block(11 * 2**20) == 12 * 2**20 <= allocator_block_bytes(11 * 2**20)  # segment kept unsplit
+
+
 def test_random_plans_never_exceed_the_budget():
     rng = np.random.default_rng(1234)
     raised = planned = partial = 0
@@ -153,12 +165,21 @@ def test_random_plans_never_exceed_the_budget():
         tables, hot, unique, state, precision, budget, reads = random_case(rng)
         low = min_cache_bytes(tables, unique, state)
         full = sum(t.num_rows * device_row_bytes(t.dim, state) for t in tables)
-        if low > budget and full > budget:
+        # The budget holds the CUDA allocator's blocks, not the tensors' bytes.
+        full_blocks = sum(allocator_block_bytes(t) for t in (sum(t.num_rows * t.dim * 4 for t in tables),
+                                                             sum(t.num_rows * state * 4 for t in tables)))
+        reserve = allocator_reserve(state)  # the least rounding a split plan reserves (511 B a tensor)
+        if low + reserve > budget and full_blocks > budget:
             with pytest.raises(UserError, match="placement.device_memory_budget"):
                 plan_placement(tables, hot, budget, precision, state, unique, reads=reads)
             raised += 1
             continue
-        plan = plan_placement(tables, hot, budget, precision, state, unique, reads=reads)
+        try:
+            plan = plan_placement(tables, hot, budget, precision, state, unique, reads=reads)
+        except UserError:  # only where a minimum cache over 1 MiB may keep 1 MiB more of its segment
+            assert full_blocks > budget and low + allocator_reserve(state, large=True) > budget
+            raised += 1
+            continue
         planned += 1
         device = 0
         for t in tables:
@@ -174,15 +195,21 @@ def test_random_plans_never_exceed_the_budget():
                 device += rows * device_row_bytes(t.dim, state)
             assert t.name in plan.reasons and plan.reasons[t.name].startswith(t.name + ": ")
         assert device == plan.expected_bytes["device"] <= budget
+        kinds = {p: [0, 0] for p in plan.placements.values()}
+        for t in tables:  # the tensors the build allocates: rows and state per placement kind
+            rows = t.num_rows if plan.placements[t.name] == "device" else plan.cache_rows[t.name]
+            kinds[plan.placements[t.name]][0] += rows * t.dim * 4
+            kinds[plan.placements[t.name]][1] += rows * state * 4
+        assert sum(allocator_block_bytes(n) for sizes in kinds.values() for n in sizes) <= budget
         assert plan.total_cache_rows == sum(plan.cache_rows.values())
         assert set(plan.cache_rows) == {n for n, p in plan.placements.items() if p == "lookahead"}
-        if full <= budget:
+        if full_blocks <= budget:
             assert set(plan.placements.values()) == {"device"}
         else:
             partial += 1
             assert "lookahead" in plan.placements.values()
-            # Greedy leaves no room a cache could still use.
-            spare = budget - plan.expected_bytes["device"]
+            # Greedy leaves no room a cache could still use beyond the allocator's rounding.
+            spare = budget - allocator_reserve(state, large=True) - plan.expected_bytes["device"]
             for t in tables:
                 if plan.placements[t.name] == "lookahead":
                     assert spare < device_row_bytes(t.dim, state) or plan.cache_rows[t.name] >= t.num_rows - 1
@@ -192,23 +219,24 @@ def test_random_plans_never_exceed_the_budget():
 def test_everything_on_the_device_when_it_fits():
     tables = [TableSpec("a", 1000, 16), TableSpec("b", 50_000, 16)]
     exact = (1000 + 50_000) * 16 * 4
-    plan = plan_placement(tables, {"a": 10, "b": 100}, exact, "int8")
+    blocks = allocator_block_bytes(exact)  # the fused table is one tensor; the budget holds its allocator block
+    plan = plan_placement(tables, {"a": 10, "b": 100}, blocks, "int8")
     assert plan.placements == {"a": "device", "b": "device"}
     assert plan.cache_rows == {} and plan.total_cache_rows == 0
     assert plan.expected_bytes == {"device": exact, "host": 0}
-    one_byte_less = plan_placement(tables, {"a": 10, "b": 100}, exact - 1, "int8")
+    one_byte_less = plan_placement(tables, {"a": 10, "b": 100}, blocks - 1, "int8")
     assert one_byte_less.placements["b"] == "lookahead"
 
 
 def test_raises_when_even_one_batch_per_table_does_not_fit():
     tables = [TableSpec("a", 10_000, 16), TableSpec("b", 50_000, 16)]
-    need = (300 + 2000) * 16 * 4
+    need = (300 + 2000) * 16 * 4 + allocator_reserve(0)  # and the allocator's rounding of the tensors
     with pytest.raises(UserError) as e:
         plan_placement(tables, {"a": 5000, "b": 20_000}, need - 1, batch_unique_rows={"a": 300, "b": 2000})
     message = str(e.value)
     assert "placement.device_memory_budget" in message and f"{need - 1:,} bytes" in message and f"{need:,} bytes" in message
     plan = plan_placement(tables, {"a": 5000, "b": 20_000}, need, batch_unique_rows={"a": 300, "b": 2000})
-    assert plan.cache_rows == {"a": 300, "b": 2000} and plan.expected_bytes["device"] == need
+    assert plan.cache_rows == {"a": 300, "b": 2000} and plan.expected_bytes["device"] == (300 + 2000) * 16 * 4
 
 
 def test_small_hot_tables_go_whole_to_the_device_and_big_ones_get_their_hot_rows():
@@ -256,7 +284,7 @@ def test_expected_bytes_match_what_the_groups_allocate(precision, optimizer, pol
     # fp32: leave room for some tables on the device; low precision: a budget
     # where everything is behind the cache (device tables would be built in the
     # run's precision by build_embeddings, the lead's wiring builds them fp32).
-    budget = full // 3 if precision == "fp32" else 60 * device_row_bytes(dim, state)
+    budget = (full // 3 if precision == "fp32" else 60 * device_row_bytes(dim, state)) + allocator_reserve(state)
     plan = plan_placement(tables, hot, budget, precision, state, {"a": 30 if precision == "fp32" else 10, "c": 40},
                           policy=policy)
     if precision != "fp32":

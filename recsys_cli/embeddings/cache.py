@@ -893,12 +893,12 @@ class CachedGroup(TableGroup):
             assert free.numel() + resident.numel() == self.capacity, "slots lost"
 
     def memory(self) -> list[tuple[str, str, int]]:
-        cache = self.cache_rows.numel() * 4 + self.cache_state.numel() * 4
+        cache = [("device", "cache", t.numel() * t.element_size()) for t in (self.cache_rows, self.cache_state)]
         index = [self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots, self._protection_scratch]
         if self.row_uses is not None:
             index.append(self.row_uses)
         index_bytes = self.slot_index.nbytes() + sum(t.numel() * t.element_size() for t in index)
-        return [*self.store.memory(self.store_tier), ("device", "cache", cache), ("host", "index", index_bytes)]
+        return [*self.store.memory(self.store_tier), *cache, ("host", "index", index_bytes)]
 
     def stats(self) -> dict:
         s = {**self.counters, **self.store.stats()}

@@ -18,7 +18,13 @@ The byte counts follow what the groups really allocate (see
 TableGroup.memory and CachedGroup.memory): a device table is rows x (dim +
 state) fp32 values; a cache is slots x (dim + state) fp32 values on the
 device, and its index (row-to-slot map, slot maps, pins, dirty bits, victim
-scores, LFU use counts) lives in host memory.
+scores, LFU use counts) lives in host memory. On CUDA the budget holds the
+allocator's bytes, not the tensors': the caching allocator counts each
+tensor as a block rounded up to 512 bytes (and a block over 1 MiB may keep up
+to 1 MiB more of its segment unsplit), so the plan fills the budget less
+that rounding for every device tensor the build allocates
+(device_allocations, allocator_block_bytes), and a plan the allocator counts
+over the budget is never made.
 
 How plan_placement decides (Acun et al.: placement decides throughput):
   1. Everything fits on the device: everything goes there.
@@ -129,6 +135,54 @@ def host_row_bytes(dim: int, precision: str, state: int = 0) -> int:
 def device_row_bytes(dim: int, state: int = 0) -> int:
     """Bytes of one fp32 row and its state: a device table row or a cache slot."""
     return (dim + state) * 4
+
+
+# The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block
+# is a multiple of kMinBlockSize; blocks up to kSmallSize come from the small
+# pool and are split to their size, a larger block is split only when more
+# than kSmallSize would remain, so it may hold up to kSmallSize beyond its size.
+CUDA_BLOCK_BYTES = 512
+CUDA_SMALL_BLOCK_BYTES = 1 << 20
+
+
+def allocator_block_bytes(nbytes: int) -> int:
+    """The most device bytes the CUDA caching allocator counts
+    (memory_allocated) for one tensor of `nbytes` bytes."""
+    if nbytes <= 0:
+        return 0
+    block = -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return block if block <= CUDA_SMALL_BLOCK_BYTES else block + CUDA_SMALL_BLOCK_BYTES
+
+
+def device_allocations(tables: list[TableSpec], placements: dict[str, str], cache: dict[str, int],
+                       state: int) -> list[int]:
+    """Bytes of each device tensor build_embeddings allocates for a plan: one
+    fused group per placement kind, each an fp32 rows tensor and an optimizer
+    state tensor (device tables: the tables themselves; lookahead and disk
+    tables: their cache's slots). Empty tensors take no block."""
+    per_kind: dict[str, list[int]] = {}
+    for t in tables:
+        kind = placements[t.name]
+        rows = t.num_rows if kind == "device" else cache[t.name]
+        sizes = per_kind.setdefault(kind, [0, 0])
+        sizes[0] += rows * t.dim * 4
+        sizes[1] += rows * state * 4
+    return [n for sizes in per_kind.values() for n in sizes if n]
+
+
+def allocator_reserve(state: int, large: bool = False) -> int:
+    """The most bytes the CUDA allocator's rounding adds to a split plan's
+    tensors, a rows and a state tensor per placement kind (device, lookahead,
+    disk; counted with or without a host budget, so that giving one does not
+    change the device plan): 511 each, 1 MiB more each if `large` (tensors
+    over 1 MiB)."""
+    tensors = 3 * (2 if state else 1)
+    return tensors * (CUDA_BLOCK_BYTES - 1 + (CUDA_SMALL_BLOCK_BYTES if large else 0))
+
+
+def allocated_device_bytes(allocations: list[int]) -> int:
+    """The most bytes the CUDA allocator counts for these tensors."""
+    return sum(allocator_block_bytes(n) for n in allocations)
 
 
 # --- access skew ---------------------------------------------------------------------
@@ -344,78 +398,92 @@ def plan_placement(
     def describe(t: TableSpec) -> str:
         return f"{format_count(t.num_rows)} rows x {row_b[t.name]} B = {format_bytes(full[t.name])}"
 
-    placements: dict[str, str] = {}
-    cache: dict[str, int] = {}
-    reasons: dict[str, str] = {}
-    total_full = sum(full.values())
-    if total_full <= budget_bytes:
-        for t in tables:
-            placements[t.name] = "device"
-            reasons[t.name] = (f"{t.name}: {describe(t)} on the device; all tables "
-                               f"({format_bytes(total_full)}) fit the {format_bytes(budget_bytes)} budget")
-    else:
-        min_needed = sum(minimum[n] * row_b[n] for n in names)
-        if min_needed > budget_bytes:
-            worst = max(tables, key=lambda t: minimum[t.name] * row_b[t.name])
-            raise UserError(
-                f"{BUDGET_KEY}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
-                f"need {format_bytes(total_full)} and even caches that hold one batch's unique rows of every "
-                f"table need {format_bytes(min_needed)} ({min_needed:,} bytes; the largest, {worst.name}, "
-                f"{minimum[worst.name]:,} rows x {row_b[worst.name]} B); raise the budget or lower "
-                "trainer.batch_size"
-            )
-        cache = dict(minimum)
-        left = budget_bytes - min_needed
-        # The pieces to buy: (reads served per byte, tie-breaks, table, rows).
-        pieces = []
-        for i, n in enumerate(names):
-            t = spec[n]
-            weight = 1.0 if reads is None else float(reads.get(n, 0))
-            if hot[n] == 0:
-                weight = 0.0  # never read in the sample
-            dense = weight * target_hit_rate / (max(hot[n], 1) * row_b[n])
-            rest = t.num_rows - target[n]
-            sparse = weight * (1 - target_hit_rate) / (max(rest, 1) * row_b[n])
-            if target[n] > minimum[n]:
-                pieces.append((-dense, full[n], i, 0, n, target[n] - minimum[n]))
-            if rest > 0:  # never before the table's own dense piece
-                pieces.append((-min(sparse, dense), full[n], i, 1, n, rest))
-        for *_, n, rows in sorted(pieces):
-            take = min(rows, left // row_b[n])
-            cache[n] += take
-            left -= take * row_b[n]
-        for t in tables:
-            n = t.name
-            if cache[n] >= t.num_rows:
-                placements[n] = "device"
-                del cache[n]
-                if minimum[n] >= t.num_rows:
-                    why = "one batch reads every row"
-                elif target[n] >= t.num_rows:
-                    why = f"its hot set ({pct} of accesses) is the whole table"
+    # The allocator's rounding: 511 bytes at most per tensor to start with; a plan
+    # whose blocks (a tensor over 1 MiB may keep 1 MiB more) still exceed the
+    # budget is made again with that much more reserved (never more than the
+    # bound for large tensors, with which every plan fits), until it fits.
+    reserve, most = allocator_reserve(state), allocator_reserve(state, large=True)
+    for attempt in range(8):
+        placements: dict[str, str] = {}
+        cache: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        total_full = sum(full.values())
+        all_on_device = allocated_device_bytes(device_allocations(tables, dict.fromkeys(names, "device"), {}, state))
+        if all_on_device <= budget_bytes:
+            for t in tables:
+                placements[t.name] = "device"
+                reasons[t.name] = (f"{t.name}: {describe(t)} on the device; all tables "
+                                   f"({format_bytes(total_full)}) fit the {format_bytes(budget_bytes)} budget")
+        else:
+            min_needed = sum(minimum[n] * row_b[n] for n in names)
+            if min_needed + reserve > budget_bytes:
+                worst = max(tables, key=lambda t: minimum[t.name] * row_b[t.name])
+                raise UserError(
+                    f"{BUDGET_KEY}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
+                    f"need {format_bytes(total_full)} and even caches that hold one batch's unique rows of every "
+                    f"table need {format_bytes(min_needed + reserve)} ({min_needed + reserve:,} bytes, of which "
+                    f"{reserve:,} for the CUDA allocator's rounding; the largest, {worst.name}, "
+                    f"{minimum[worst.name]:,} rows x {row_b[worst.name]} B); raise the budget or lower "
+                    "trainer.batch_size"
+                )
+            cache = dict(minimum)
+            left = budget_bytes - reserve - min_needed
+            # The pieces to buy: (reads served per byte, tie-breaks, table, rows).
+            pieces = []
+            for i, n in enumerate(names):
+                t = spec[n]
+                weight = 1.0 if reads is None else float(reads.get(n, 0))
+                if hot[n] == 0:
+                    weight = 0.0  # never read in the sample
+                dense = weight * target_hit_rate / (max(hot[n], 1) * row_b[n])
+                rest = t.num_rows - target[n]
+                sparse = weight * (1 - target_hit_rate) / (max(rest, 1) * row_b[n])
+                if target[n] > minimum[n]:
+                    pieces.append((-dense, full[n], i, 0, n, target[n] - minimum[n]))
+                if rest > 0:  # never before the table's own dense piece
+                    pieces.append((-min(sparse, dense), full[n], i, 1, n, rest))
+            for *_, n, rows in sorted(pieces):
+                take = min(rows, left // row_b[n])
+                cache[n] += take
+                left -= take * row_b[n]
+            for t in tables:
+                n = t.name
+                if cache[n] >= t.num_rows:
+                    placements[n] = "device"
+                    del cache[n]
+                    if minimum[n] >= t.num_rows:
+                        why = "one batch reads every row"
+                    elif target[n] >= t.num_rows:
+                        why = f"its hot set ({pct} of accesses) is the whole table"
+                    else:
+                        why = ("small enough that keeping it whole serves more reads per byte than growing "
+                               "the caches of larger tables")
+                    reasons[n] = f"{n}: {describe(t)} on the device: {why}"
+                    continue
+                placements[n] = "lookahead"
+                head = f"{n}: {describe(t)} does not fit; cache of {cache[n]:,} rows"
+                if hot[n] == 0:
+                    reasons[n] = f"{head} (no reads of it were measured in the sample)"
+                elif cache[n] == minimum[n] and minimum[n] >= hot[n]:
+                    reasons[n] = (f"{head} holds one batch's unique rows "
+                                  f"(at least the {hot[n]:,} rows that serve {pct} of accesses)")
+                elif cache[n] > hot[n]:
+                    reasons[n] = f"{head} covers more than {pct} of accesses ({hot[n]:,} rows cover {pct})"
+                elif cache[n] == hot[n]:
+                    reasons[n] = f"{head} covers {pct} of accesses"
                 else:
-                    why = ("small enough that keeping it whole serves more reads per byte than growing "
-                           "the caches of larger tables")
-                reasons[n] = f"{n}: {describe(t)} on the device: {why}"
-                continue
-            placements[n] = "lookahead"
-            head = f"{n}: {describe(t)} does not fit; cache of {cache[n]:,} rows"
-            if hot[n] == 0:
-                reasons[n] = f"{head} (no reads of it were measured in the sample)"
-            elif cache[n] == minimum[n] and minimum[n] >= hot[n]:
-                reasons[n] = (f"{head} holds one batch's unique rows "
-                              f"(at least the {hot[n]:,} rows that serve {pct} of accesses)")
-            elif cache[n] > hot[n]:
-                reasons[n] = f"{head} covers more than {pct} of accesses ({hot[n]:,} rows cover {pct})"
-            elif cache[n] == hot[n]:
-                reasons[n] = f"{head} covers {pct} of accesses"
-            else:
-                batch = f"; one batch needs {minimum[n]:,}" if minimum[n] > 1 else ""
-                reasons[n] = (f"{head}, limited by the budget ({hot[n]:,} rows would cover {pct} of "
-                              f"accesses{batch})")
-    if host_budget_bytes is not None:
-        _spill_to_disk(tables, placements, cache, reasons, reads, precision, state, policy, host_budget_bytes,
-                       host_cache_ratio)
+                    batch = f"; one batch needs {minimum[n]:,}" if minimum[n] > 1 else ""
+                    reasons[n] = (f"{head}, limited by the budget ({hot[n]:,} rows would cover {pct} of "
+                                  f"accesses{batch})")
+        if host_budget_bytes is not None:
+            _spill_to_disk(tables, placements, cache, reasons, reads, precision, state, policy, host_budget_bytes,
+                           host_cache_ratio)
+        allocated = allocated_device_bytes(device_allocations(tables, placements, cache, state))
+        if allocated <= budget_bytes:
+            break
+        reserve = min(most, reserve + allocated - budget_bytes) if attempt < 6 else most
+    else:  # a bug, never the user's doing
+        raise AssertionError(f"plan may take {allocated} device bytes (allocator blocks) of a {budget_bytes} budget")
     table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy,
                                         host_cache_ratio)
                    for t in tables}
@@ -423,8 +491,6 @@ def plan_placement(
         "device": sum(b["device"] for b in table_bytes.values()),
         "host": sum(b["host"] for b in table_bytes.values()),
     }
-    if expected["device"] > budget_bytes:  # a bug, never the user's doing
-        raise AssertionError(f"plan uses {expected['device']} device bytes of a {budget_bytes} budget")
     return PlacementPlan(
         placements=placements, cache_rows=cache, expected_bytes=expected, reasons=reasons,
         budget_bytes=budget_bytes, precision=precision, table_bytes=table_bytes,

@@ -115,8 +115,10 @@ class RowStore:
         return self.state.index_select(0, ids)
 
     def memory(self, tier: str) -> list[tuple[str, str, int]]:
-        """(tier, what, bytes) of what the store allocates (TableGroup.memory)."""
-        return [(tier, "table", self.nbytes())]
+        """(tier, what, bytes) of each tensor the store allocates (TableGroup.memory):
+        one entry per allocation, as the CUDA allocator counts blocks."""
+        tensors = [*self.rows.tensors().values(), self.state]
+        return [(tier, "table", t.numel() * t.element_size()) for t in tensors]
 
     def stats(self) -> dict:
         return {}

@@ -116,7 +116,7 @@ class TableGroup(abc.ABC):
         """Forget cached rows after the store was overwritten."""
 
     def memory(self) -> list[tuple[str, str, int]]:
-        """Bytes actually allocated: (tier "device"|"host", what "table"|"cache"|"index", bytes)."""
+        """Bytes actually allocated, one entry per tensor: (tier "device"|"host", what "table"|"cache"|"index", bytes)."""
         return self.store.memory(self.store_tier)
 
     def stats(self) -> dict:

@@ -12,6 +12,9 @@ a staging buffer never rewritten before its copy is done).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
+import threading
 import time
 
 import torch
@@ -91,6 +94,87 @@ class HostRuntime:
         return None
 
 
+class _LockedPages(mmap.mmap):
+    """Anonymous pages locked for the device while this object lives: its
+    finalizer unregisters them before mmap unmaps them. A tensor made with
+    torch.frombuffer holds a reference to it, so the pages stay registered as
+    long as any view of the tensor lives."""
+
+    def __new__(cls, length: int, registry: "RegisteredHostMemory"):
+        return super().__new__(cls, -1, length)
+
+    def __init__(self, length: int, registry: "RegisteredHostMemory") -> None:
+        self.registry = registry
+        self.length = length
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self))
+        registry.register(self.address, length)
+
+    def __del__(self) -> None:
+        self.registry.unregister(self.address, self.length)
+
+
+class RegisteredHostMemory:
+    """Page-locked host memory of the size asked for. torch's caching host
+    allocator (pin_memory=True) rounds every block up to the next power of
+    two, so a 2.16 GB host table would lock 4 GiB; here the tensor lives in
+    anonymous pages of its own size (rounded to a page) that are registered
+    with the driver (cudaHostRegister) and unregistered when the last view of
+    the tensor dies. `register(address, bytes)` and `unregister(address)`
+    are the driver calls (tests pass recording ones); the bytes registered
+    now and at the peak are counted here, since the caching allocator's
+    stats do not see them."""
+
+    def __init__(self, register, unregister) -> None:
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def empty(self, shape, dtype=torch.float32) -> torch.Tensor:
+        shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        pages = _LockedPages(length, self)
+        return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+    def register(self, address: int, length: int) -> None:
+        self._register(address, length)
+        with self._lock:
+            self.current += length
+            self.peak = max(self.peak, self.current)
+
+    def unregister(self, address: int, length: int) -> None:
+        self._unregister(address)
+        with self._lock:
+            self.current -= length
+
+
+def _cuda_host_register(address: int, length: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(address, length, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {length} bytes failed: {err}")
+
+
+def _cuda_host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+_registered: RegisteredHostMemory | None = None
+
+
+def registered_host_memory() -> RegisteredHostMemory:
+    """The process's registered pinned memory (CUDA runs)."""
+    global _registered
+    if _registered is None:
+        _registered = RegisteredHostMemory(_cuda_host_register, _cuda_host_unregister)
+    return _registered
+
+
 class CudaRuntime(HostRuntime):
     pins_host = True
     def event(self, timing: bool = False):
@@ -115,15 +199,18 @@ class CudaRuntime(HostRuntime):
         return tensor.is_pinned()
 
     def empty_pinned(self, shape, dtype=torch.float32) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        """Page-locked memory of this size, not a power of two (RegisteredHostMemory)."""
+        return registered_host_memory().empty(shape, dtype)
 
     def allocated(self) -> dict[str, int]:
-        host = torch.cuda.host_memory_stats()
+        host = torch.cuda.host_memory_stats()  # pin_memory()'s blocks (batches)
+        registered = registered_host_memory()  # empty_pinned's pages (tables, staging buffers)
         return {
             "device": torch.cuda.memory_allocated(self.device),
             "device_peak": torch.cuda.max_memory_allocated(self.device),
-            "pinned_host": host.get("active_bytes.current", 0),
-            "pinned_host_peak": host.get("active_bytes.peak", 0),
+            "pinned_host": host.get("active_bytes.current", 0) + registered.current,
+            # the sum of the two peaks: at least the peak of the sum
+            "pinned_host_peak": host.get("active_bytes.peak", 0) + registered.peak,
         }
 
 

@@ -321,3 +321,63 @@ def test_a_host_table_is_pinned_once_in_place_never_copied_to_pin(kind, precisio
     unpinned = make_group(kind, precision, specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0)
     for k, v in unpinned.store.rows.tensors().items():  # the same table either way
         assert torch.equal(store.rows.tensors()[k], v)
+
+
+# --- pinned host memory of the size asked for -------------------------------------------
+class DriverLog:
+    """cudaHostRegister / cudaHostUnregister stand-ins: the ranges locked now."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}
+        self.seen_at_unregister: list[bytes] = []
+
+    def register(self, address: int, length: int) -> None:
+        assert address % 4096 == 0 and address not in self.locked
+        self.locked[address] = length
+
+    def unregister(self, address: int) -> None:
+        import ctypes
+
+        self.seen_at_unregister.append(ctypes.string_at(address, 4))  # still mapped when unregistered
+        del self.locked[address]
+
+
+def test_pinned_host_tables_lock_their_size_not_the_next_power_of_two(monkeypatch):
+    import gc
+    import mmap
+
+    from omegaconf import OmegaConf
+
+    import recsys_cli.device as device
+    from recsys_cli.config import PlacementConfig, PrecisionConfig
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import make_group
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    driver = DriverLog()
+    registered = device.RegisteredHostMemory(driver.register, driver.unregister)
+    monkeypatch.setattr(device, "_registered", registered)
+    runtime = device.CudaRuntime(torch.device("cuda"))  # its host side only: nothing here touches a GPU
+    table = runtime.empty_pinned((5 * 2**20 // 16 + 1, 4))  # 5 MiB + 16 B: the caching host allocator locks 8 MiB
+    assert list(driver.locked.values()) == [5 * 2**20 + mmap.PAGESIZE] == [registered.current]
+    table.fill_(1.5)
+    view = table[-3:]
+    del table
+    gc.collect()
+    assert registered.current == 5 * 2**20 + mmap.PAGESIZE  # a view still reads the pages: they stay locked
+    assert float(view.sum()) == 1.5 * 12
+    del view
+    gc.collect()
+    assert driver.locked == {} and registered.current == 0 and registered.peak == 5 * 2**20 + mmap.PAGESIZE
+    assert driver.seen_at_unregister == [torch.tensor([1.5]).numpy().tobytes()]
+    # A host table built for a CUDA run: one locked range per tensor, each its own size.
+    specs = [TableSpec("a", 5000, 16), TableSpec("b", 3000, 16)]
+    place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "uvm"})
+    prec = OmegaConf.structured(PrecisionConfig)
+    group = make_group("uvm", "fp32", specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
+                       runtime=runtime)
+    sizes = sorted(t.numel() * t.element_size() for t in (group.store.rows.weights, group.store.state))
+    assert sorted(driver.locked.values()) == [-(-n // mmap.PAGESIZE) * mmap.PAGESIZE for n in sizes]
+    del group
+    gc.collect()
+    assert driver.locked == {}

@@ -16,7 +16,7 @@ import yaml
 from recsys_cli.config_groups import group_overrides
 
 RECSYS = str(Path(sys.executable).with_name("recsys"))
-TINY = ["placement.cache_ratio=0.5", "dataset.synthetic.rows=3000", "dataset.synthetic.cardinality_scale=0.0002", "trainer.max_steps=2",
+TINY = ["dataset.synthetic.rows=3000", "dataset.synthetic.cardinality_scale=0.0002", "trainer.max_steps=2",
         "trainer.progress=false", "trainer.final_checkpoint=false"]
 
 

@@ -310,3 +310,18 @@ def test_torchrun_ranks_share_rank_0s_run_directory(tmp_path):
     assert len(runs) == 1, runs  # rank 1 composed its config elsewhere
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["distributed"]["world_size"] == 2 and summary["steps"] == 10
+
+
+@pytest.mark.slow  # several processes
+def test_a_user_error_under_torchrun_is_one_line_per_rank(tmp_path):
+    """Each rank says the error in one line; torchrun's failure report (torch's
+    own launcher) holds no traceback of recsys's code (issue 28)."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "recsys_cli",
+                          "train", *SMALL, "placement=lookahead", "placement.cache_rows=10", "trainer.max_steps=4",
+                          "trainer.progress=false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    for rank in (0, 1):
+        assert re.search(rf"^error: rank {rank}: a batch needs \d+ unique rows .* 10 slots", output, re.M), output[-3000:]
+    assert "recsys_cli/" not in output, output[-3000:]

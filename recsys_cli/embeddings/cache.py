@@ -213,9 +213,11 @@ class Fill:
 class CachedGroup(TableGroup):
     def __init__(
         self, *args, cache_slots: int, policy: str = "lru", lookahead: bool = False, window: int = 1,
-        admit_all: bool = True, store_tier: str = "host", evict_chunk: int | None = None, **kwargs,
+        admit_all: bool = True, store_tier: str = "host", evict_chunk: int | None = None, sizing: str = "",
+        **kwargs,
     ) -> None:
         super().__init__(*args, store_tier=store_tier, **kwargs)
+        self.sizing = sizing  # why the cache has cache_slots slots (cache_size.py), for start-up lines and errors
         self.kind = "lookahead" if lookahead else "cache"
         self.lookahead = lookahead
         # On-demand caches prepare on the trainer's thread, every earlier batch done.
@@ -316,8 +318,8 @@ class CachedGroup(TableGroup):
         if self.admit_all and unique.numel() > self.capacity:
             raise CacheTooSmall(
                 f"a batch needs {unique.numel()} unique rows of {len(self.tables)} cached tables "
-                f"but the cache has {self.capacity} slots: raise placement.cache_rows / cache_ratio "
-                f"or lower trainer.batch_size"
+                f"but the cache has {self.capacity} slots ({self.sizing or 'placement.cache_rows'}): raise "
+                f"placement.cache_rows / cache_ratio or lower trainer.batch_size"
             )
         with self.cond:
             index = self.prepared

@@ -181,6 +181,15 @@ class EmbeddingBagCollection(nn.Module):
         for group, plan in zip(self.groups, batch.plans or ()):
             group.release(plan)
 
+    def cache_sizes(self) -> list[str]:
+        """One start-up line per cached group: its tables, slots and why that many."""
+        lines = []
+        for fs, g in zip(self.group_features, self.groups):
+            if getattr(g, "sizing", None) is not None and hasattr(g, "capacity"):
+                tables = fs[0] if len(fs) == 1 else f"{len(fs)} tables ({fs[0]}..{fs[-1]})"
+                lines.append(f"{g.kind} cache of {tables}: {g.capacity:,} slots ({g.sizing})")
+        return lines
+
     # --- whole tables --------------------------------------------------------
     def table_state(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

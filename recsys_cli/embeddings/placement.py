@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 
 from recsys_cli.device import runtime_for
+from recsys_cli.embeddings.cache_size import cache_size
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.planner import PlacementPlan, measure_access, parse_bytes, plan_placement
@@ -65,12 +66,15 @@ def build_embeddings(
     features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
     device: torch.device, seed: int, placements: dict[str, str] | None = None,
     precisions: dict[str, str] | None = None, cache_rows: int | None = None,
+    batch_ids: dict[str, int | None] | None = None,
 ) -> EmbeddingBagCollection:
     """One table per feature, named after it, grouped by (placement, precision).
 
     placements/precisions: per table, overriding the config (the planner's
     choice); cache_rows: slots of the lookahead/cache group (or per
-    placement kind, {"lookahead": n, "disk": m}), overriding placement.cache_rows."""
+    placement kind, {"lookahead": n, "disk": m}), overriding placement.cache_rows;
+    batch_ids: per table the most ids one batch holds (None: multi-hot), the
+    floor of a ratio-sized cache (cache_size.py)."""
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
     placements = placements or table_placements(tables, placement)
     precisions = precisions or {t.name: precision.kind for t in tables}
@@ -83,23 +87,28 @@ def build_embeddings(
         rows = cache_rows.get(canonical(kind)) if isinstance(cache_rows, dict) else cache_rows
         if kind == "disk":  # built straight into its file, never whole in memory
             group = make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device,
-                                    seed, rows)
+                                    seed, rows, batch_ids)
             built.append(([t.name for t in specs], group))
             continue
         group = make_group(kind, table_precision, specs, placement, precision, optimizer, device,
-                           seed, rows, table_rows)
+                           seed, rows, table_rows, batch_ids=batch_ids)
         built.append(([t.name for t in specs], group))
     return EmbeddingBagCollection(features, built, dim)
 
 
 def make_group(kind, table_precision, specs, placement, precision, optimizer, device, seed, cache_rows=None,
-               table_rows=None, runtime=None):
+               table_rows=None, runtime=None, batch_ids=None):
     """The group of tables `specs`, its store built in place: allocated once
     in its precision and location and filled chunk by chunk (no fp32 copy of
-    the tables, no concatenation)."""
+    the tables, no concatenation). The cache is sized before the store is built."""
     names = [t.name for t in specs]
     num_rows = sum(t.num_rows for t in specs)
     kind = canonical(kind)
+    size = None
+    if kind in ("lookahead", "cache"):
+        size = cache_size([(t.name, t.num_rows) for t in specs],
+                          cache_rows if cache_rows is not None else placement.cache_rows, placement.cache_ratio,
+                          batch_ids, placement.window if kind == "lookahead" else 1)
     host = kind in ("host", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
     runtime = runtime or runtime_for(device)
@@ -114,30 +123,31 @@ def make_group(kind, table_precision, specs, placement, precision, optimizer, de
     if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots
 
-        if kind in ("lookahead", "cache"):
-            ratio, policy = placement.cache_ratio, placement.policy
-            rows = cache_rows if cache_rows is not None else placement.cache_rows
+        if size is not None:
+            slots, why, policy = size.slots, size.why, placement.policy
         else:
             ratio = precision.cache_ratio or DEFAULT_CACHE_RATIO[table_precision]
-            policy, rows = precision.policy, None
-        slots = cache_slots(num_rows, rows, ratio)
+            slots, why, policy = cache_slots(num_rows, None, ratio), f"precision cache_ratio={ratio:g}", precision.policy
         return CachedGroup(
             **args, store_tier="device" if kind == "device" else "host", cache_slots=slots, policy=policy,
-            lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32",
+            lookahead=kind == "lookahead", window=placement.window, admit_all=table_precision == "fp32", sizing=why,
         )
     return DirectGroup(**args, kind=kind)
 
 
 def make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device, seed,
-                    cache_rows=None):
+                    cache_rows=None, batch_ids=None):
     """`disk`: the tables in a DiskRowStore (rows in their precision and
     optimizer state in a file under placement.disk_path, behind a host cache
     of placement.host_cache_rows / host_cache_ratio rows), behind the
     lookahead fp32 cache, whose prefetcher does the disk reads and
     write-backs on its own thread."""
-    from recsys_cli.embeddings.cache import CachedGroup, cache_slots
+    from recsys_cli.embeddings.cache import CachedGroup
     from recsys_cli.embeddings.disk_store import DiskRowStore
 
+    size = cache_size([(t.name, t.num_rows) for t in specs],
+                      cache_rows if cache_rows is not None else placement.cache_rows, placement.cache_ratio,
+                      batch_ids, placement.window)
     num_rows = sum(t.num_rows for t in specs)
     host_rows = placement.host_cache_rows
     if host_rows is None:
@@ -145,11 +155,10 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
     store = DiskRowStore(specs, [n for n, _ in table_rows], table_precision, precision.rounding, seed,
                          1 if optimizer.has_state else 0, optimizer.initial_accumulator, placement.disk_path,
                          host_rows, io_threads=placement.disk_io_threads)
-    rows = cache_rows if cache_rows is not None else placement.cache_rows
     return CachedGroup(
         tables=specs, feature_tables=[t.name for t in specs], store=store, optimizer=optimizer, device=device,
-        store_tier="host", cache_slots=cache_slots(num_rows, rows, placement.cache_ratio), policy=placement.policy,
-        lookahead=True, window=placement.window, admit_all=table_precision == "fp32",
+        store_tier="host", cache_slots=size.slots, policy=placement.policy,
+        lookahead=True, window=placement.window, admit_all=table_precision == "fp32", sizing=size.why,
     )
 
 

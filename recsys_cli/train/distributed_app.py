@@ -44,6 +44,13 @@ def train(cfg, run_dir: Path | None) -> dict:
             teardown()
 
 
+def _train_or_user_error(cfg, run_dir: Path | None) -> tuple[dict | None, UserError | None]:
+    try:
+        return train(cfg, run_dir), None
+    except UserError as e:
+        return None, e
+
+
 @record
 def worker_main(cfg_container: dict, run_dir: str | None) -> float | None:
     """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`."""
@@ -70,10 +77,12 @@ def train_app(cfg, run_dir: Path) -> float | None:
     err = Console(stderr=True)
     if launched_by_agent():
         rank = os.environ["RANK"]
-        try:
-            summary = record(train)(cfg, run_dir)
-        except UserError as e:
-            err.print(f"[bold red]error:[/] rank {rank}: {e}", highlight=False, soft_wrap=True)
+        # A user error is caught inside `record`: it writes the error file
+        # that torchrun's failure report prints, and it must hold no traceback
+        # for an error the rank has already said in one line.
+        summary, user_error = record(_train_or_user_error)(cfg, run_dir)
+        if user_error is not None:
+            err.print(f"[bold red]error:[/] rank {rank}: {user_error}", highlight=False, soft_wrap=True)
             sys.exit(2)
         val = summary["final"].get("val")
         return None if val is None else val["auc"]

@@ -104,7 +104,11 @@ class Trainer:
         embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
             self.device, tc.seed, **(self.plan_overrides() if self.plan else {}),
+            batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in self.manifest.sparse_features},
         ))
+        if self.console is not None and self.dist.is_main:
+            for line in embeddings.cache_sizes():
+                self.console.print(line, soft_wrap=True)
         device_bytes = (self.embedding_allocated or embeddings.memory())["device"]
         if self.plan is not None and device_bytes > self.plan.budget_bytes:
             raise RuntimeError(  # the planner's byte model and the allocation disagree: a bug, not bad input

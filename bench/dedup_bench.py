@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.train.trainer import Trainer, resolve_dataset
+from recsys_cli.train.trainer import Trainer
+from recsys_cli.train.training_data import resolve_dataset
 
 
 def config(rows: int, dedup: bool, steps: int) -> TrainConfig:

@@ -160,7 +160,7 @@ print(json.dumps({"build s": build, "samples/s": summary["samples_per_second"],
 _GENERATE = """
 import sys
 from bench.disk_bench import config
-from recsys_cli.train.trainer import resolve_dataset
+from recsys_cli.train.training_data import resolve_dataset
 resolve_dataset(config(int(sys.argv[1]), float(sys.argv[2]), 1024, 1, {"kind": "disk"}).dataset)
 """
 

@@ -32,7 +32,8 @@ from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
 from recsys_cli.train import distributed
-from recsys_cli.train.trainer import Trainer, resolve_dataset
+from recsys_cli.train.trainer import Trainer
+from recsys_cli.train.training_data import resolve_dataset
 
 
 def make_config(rows: int, steps: int, placement: str, sync: str = "grad", every: int = 1,

@@ -126,7 +126,7 @@ def run(rows: int = 300_000, steps128: int = 600, steps2048: int = 60) -> list[d
             batches.append(b)
             if len(batches) == min(steps, 300):
                 break
-        vocab = [f.vocab_size for f in trainer.manifest.sparse_features]
+        vocab = [f.vocab_size for f in trainer.data.manifest.sparse_features]
         in_memory = time_recsys_in_memory(trainer, batches)
         del trainer
         reference = time_reference(batches, vocab)

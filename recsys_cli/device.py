@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from recsys_cli.errors import UserError
+
 
 class HostEvent:
     """torch.cuda.Event's interface on the host: work before record() is done
@@ -223,6 +225,21 @@ def allocated_by(runtime: HostRuntime, build):
     if before is None or after is None:
         return result, None
     return result, {tier: after[tier] - before[tier] for tier in ("device", "pinned_host")}
+
+
+def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
+    """trainer.device (auto, cpu, cuda, cuda:N) as a device; `one_of_many`:
+    this process is one rank of several, each on the CUDA device its
+    launcher selected (torch.cuda.current_device())."""
+    if name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"trainer.device={name} but no CUDA device is available (use trainer.device=auto or cpu)")
+    else:
+        device = torch.device(name)
+    if one_of_many and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def runtime_for(device: torch.device | str) -> HostRuntime:

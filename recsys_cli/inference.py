@@ -174,7 +174,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     from recsys_cli.model.dlrm import DLRM
     from recsys_cli.embeddings.disk_checkpoint import materialize
     from recsys_cli.train import checkpoint as ckpt
-    from recsys_cli.train.trainer import resolve_device
+    from recsys_cli.device import resolve_device
 
     path = find_run_checkpoint(location)
     state = ckpt.load_checkpoint(path)

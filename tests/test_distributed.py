@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 from recsys_cli.config import TrainConfig
 from recsys_cli.errors import UserError
 from recsys_cli.train import distributed
-from recsys_cli.train.trainer import Trainer, resolve_dataset
+from recsys_cli.train.trainer import Trainer
+from recsys_cli.train.training_data import resolve_dataset
 
 NPROC = 2
 STEPS = 30

@@ -13,6 +13,7 @@ from data_tools.criteo import CriteoConfig, preprocess
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.errors import UserError
 from recsys_cli.inference import load_model
+from recsys_cli.train import restore
 from recsys_cli.train.trainer import Trainer
 
 
@@ -69,3 +70,20 @@ def test_init_from_errors(days, tmp_path):
     with pytest.raises(UserError, match="give one of them"):
         Trainer(config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__init_from=str(tmp / "run0"),
                        trainer__resume=str(tmp / "run0"), **base))
+
+
+def test_resume_returns_the_position_it_restores(days):
+    """restore.resume loads the modules it is given and returns where the run
+    continues: the trainer's own counters change only when it applies them."""
+    tmp, first = days
+    cfg = config(tmp / "cache", dataset__path=str(tmp / "day0"), trainer__max_steps=30, trainer__batch_size=64,
+                 trainer__device="cpu", optimizer__name="adagrad", optimizer__lr=0.05)
+    fresh = Trainer(cfg)
+    path = restore.resume_path(str(tmp / "run0"), None, None)
+    at = restore.resume(path, fresh.cfg, fresh.data, fresh.restorable())
+    assert (at.step, at.epoch, at.batch_in_epoch, at.samples) == (first.step, first.epoch, first.batch_in_epoch, first.samples)
+    training_lines = [line for line in first.log.lines if '"split"' not in line]  # saved before the final evaluation
+    assert at.metrics == training_lines and at.running_steps == first.running_steps
+    assert (fresh.step, fresh.samples, fresh.saved_step) == (0, 0, None)  # nothing written behind the trainer's back
+    for k, v in first.model.state_dict().items():
+        assert torch.equal(v, fresh.model.state_dict()[k]), k

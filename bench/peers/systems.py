@@ -107,7 +107,7 @@ def shapes_of(cfg, dataset_dir: Path) -> Shapes:
 
 
 def dataset_dir(cfg) -> Path:
-    from recsys_cli.train.trainer import resolve_dataset
+    from recsys_cli.train.training_data import resolve_dataset
 
     return resolve_dataset(cfg.dataset)
 

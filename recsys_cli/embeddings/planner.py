@@ -297,6 +297,14 @@ class PlacementPlan:
     def device_tables(self) -> list[str]:
         return [t for t, p in self.placements.items() if p == "device"]
 
+    def build_arguments(self) -> dict:
+        """build_embeddings arguments that realise the plan: device tables in
+        fp32, the others in the plan's precision behind one lookahead cache
+        (host tables) and one more for the disk tables."""
+        precisions = {t: ("fp32" if p == "device" else self.precision) for t, p in self.placements.items()}
+        cache_rows = {kind: self.cache_rows_of(kind) or None for kind in ("lookahead", "disk")}
+        return {"placements": self.placements, "precisions": precisions, "cache_rows": cache_rows}
+
     def table(self):
         """A rich Table: one row per table, totals in the caption."""
         from rich.table import Table

@@ -72,7 +72,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
     from rich.console import Console
 
     from recsys_cli.config import validate
-    from recsys_cli.train.trainer import resolve_dataset
+    from recsys_cli.train.training_data import resolve_dataset
 
     err = Console(stderr=True)
     if launched_by_agent():

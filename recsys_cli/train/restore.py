@@ -1,14 +1,19 @@
 """Starting a Trainer from a checkpoint: resume a run, or initialise a new one from it.
 
-Trainer.resume and Trainer.init_from, apart so that trainer.py reads as the
-training loop. A resumed run continues bit for bit (the loader position, RNG,
-caches and the metrics so far come back); init_from takes weights and
+Apart from trainer.py so that it reads as the training loop. Each function
+loads the checkpoint into the modules it is given (the model, the dense
+optimizer, the embeddings: each through its own load method) and returns
+what the trainer itself keeps: a resume returns the run's position
+(`Resumed`), init_from only the checkpoint it read. It writes no attribute
+of the Trainer. A resumed run continues bit for bit (the loader position,
+RNG, caches and the metrics so far come back); init_from takes weights and
 optimizer state only, and keeps the new run's own step count, data order,
 RNGs and hyperparameters.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,73 +22,101 @@ from omegaconf import OmegaConf
 from recsys_cli.errors import UserError
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
+from recsys_cli.train.training_data import TrainingData
 
 
-def resume(trainer, resume: str) -> None:
-    """Trainer.resume: every rank loads the checkpoint rank 0 chose."""
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run continues: the trainer's counters, the metrics
+    so far and the next log line's running loss, as the checkpoint saved them."""
+
+    path: Path
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    samples: int
+    metrics: list[dict] | None  # metrics.jsonl up to the step (None: a checkpoint older than saved metrics)
+    running_loss: torch.Tensor | None
+    running_steps: int
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """What a checkpoint loads into: the modules the Trainer built."""
+
+    model: torch.nn.Module
+    dense_optimizer: torch.optim.Optimizer
+    embeddings: object  # the ShardedEmbeddings (model.embeddings)
+
+
+def resume_path(resume: str, checkpoint_dir: Path | None, run_dir: Path | None) -> Path:
+    """The checkpoint trainer.resume names (a checkpoint, a directory, or "true": the latest),
+    as rank 0 chose it: every rank loads the same one."""
     if str(resume).lower() == "true":
-        if trainer.checkpoint_dir is not None and (trainer.checkpoint_dir / ckpt.LATEST).exists():
-            path = ckpt.find_checkpoint(trainer.checkpoint_dir)
+        if checkpoint_dir is not None and (checkpoint_dir / ckpt.LATEST).exists():
+            path = ckpt.find_checkpoint(checkpoint_dir)
         else:
-            outputs = trainer.run_dir.parent.parent if trainer.run_dir else Path("outputs")
+            outputs = run_dir.parent.parent if run_dir else Path("outputs")
             path = ckpt.find_latest_run_checkpoint(outputs)
     else:
         path = ckpt.find_checkpoint(resume)
-    if trainer.dist.enabled:  # every rank loads the checkpoint rank 0 chose
-        path = distributed.broadcast_object(path)
+    return distributed.broadcast_object(path)  # a no-op alone
+
+
+def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
+    """Load the run saved at `path` into `into` and return where it continues."""
     state = ckpt.load_checkpoint(path)
     if "config" in state:
-        ckpt.check_resumable(path, state["config"], OmegaConf.to_container(trainer.cfg, resolve=True))
-    expected = {f.name: f.vocab_size for f in trainer.manifest.sparse_features}
+        ckpt.check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
+    expected = feature_sizes(data)
     if state["features"] != expected:
         raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
     try:
-        trainer.model.load_state_dict(state["model"])
-        trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        into.model.load_state_dict(state["model"])
+        into.dense_optimizer.load_state_dict(state["dense_optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
         raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
-    trainer.embeddings.load_table_state(state["tables"])
-    trainer.embeddings.load_cache_snapshot(state.get("caches"), state["step"])
+    into.embeddings.load_table_state(state["tables"])
+    into.embeddings.load_cache_snapshot(state.get("caches"), state["step"])
     torch.set_rng_state(state["torch_rng"])
-    trainer.step, trainer.epoch, trainer.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-    trainer.samples = state["samples"]
-    if "metrics" in state:
-        trainer.log.restore(state["metrics"])
-        loss, steps = state["running_loss"]
-        trainer.running_loss, trainer.running_steps = loss.to(trainer.device), steps
-    trainer.saved_step = trainer.step
-    if trainer.console is not None:
-        trainer.console.print(f"resumed from {path} at step {trainer.step}")
+    loss, steps = state["running_loss"] if "metrics" in state else (None, 0)
+    return Resumed(path, state["step"], state["epoch"], state["batch_in_epoch"], state["samples"],
+                   state.get("metrics"), loss, steps)
 
-def init_from(trainer, location: str) -> None:
+
+def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple[Path, int]:
     """Weights and optimizer state (dense and per row) from a checkpoint,
     into this new run: its own step count, data order and RNGs, and its
-    own optimizer hyperparameters (lr...)."""
-    path = ckpt.find_checkpoint(location)
-    if trainer.dist.enabled:
-        path = distributed.broadcast_object(path)
+    own optimizer hyperparameters (lr...). Returns the checkpoint and the
+    steps it was trained."""
+    path = distributed.broadcast_object(ckpt.find_checkpoint(location))  # rank 0's choice
     state = ckpt.load_checkpoint(path)
-    expected = {f.name: f.vocab_size for f in trainer.manifest.sparse_features}
+    expected = feature_sizes(data)
     if state.get("features") != expected:
         raise UserError(f"vocabulary mismatch: trainer.init_from={path} was trained on features "
-                        f"{state.get('features')}, {trainer.dataset_dir} has {expected}")
-    ours = trainer.manifest.options.get("vocabulary", {}).get("fingerprint")
+                        f"{state.get('features')}, {data.directory} has {expected}")
+    ours = data.manifest.options.get("vocabulary", {}).get("fingerprint")
     if state.get("vocabulary") and ours and state["vocabulary"] != ours:
-        raise UserError(f"vocabulary mismatch: {trainer.dataset_dir} has another vocabulary than the data "
+        raise UserError(f"vocabulary mismatch: {data.directory} has another vocabulary than the data "
                         f"{path} was trained on (preprocess it with vocab=THAT_DATASET)")
     try:
-        trainer.model.load_state_dict(state["model"])
+        into.model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise UserError(f"trainer.init_from={path}: its model does not fit this config's "
                         f"({str(e).splitlines()[0]})") from None
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in trainer.dense_optimizer.param_groups]
+    optimizer = into.dense_optimizer
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
-        trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        optimizer.load_state_dict(state["dense_optimizer"])
     except ValueError as e:
         raise UserError(f"trainer.init_from={path}: its optimizer state does not fit optimizer."
-                        f"name={trainer.cfg.optimizer.name} ({e})") from None
-    for group, h in zip(trainer.dense_optimizer.param_groups, hyper):
+                        f"name={cfg.optimizer.name} ({e})") from None
+    for group, h in zip(optimizer.param_groups, hyper):
         group.update(h)
-    trainer.embeddings.load_table_state(state["tables"])
-    if trainer.console is not None:
-        trainer.console.print(f"initialised from {path} (trained {state['step']} steps)")
+    into.embeddings.load_table_state(state["tables"])
+    return path, state["step"]
+
+
+def feature_sizes(data: TrainingData) -> dict[str, int]:
+    """What a checkpoint records of its dataset's features: name -> vocabulary size."""
+    return {f.name: f.vocab_size for f in data.manifest.sparse_features}

@@ -4,8 +4,11 @@ Read top to bottom: Trainer.__init__ builds everything from the config,
 fit() runs the epochs, train_step() is one step split into the phases the
 run reports, evaluate() scores a split, save()/resume() checkpoint. How this
 process trains with others is its Strategy's business (strategies/), never a
-branch here; starting from a checkpoint is in restore.py. (Some 470 lines:
-the loop, its evaluation, checkpoints and the run's summary belong together.)
+branch here. What the trainer is given rather than works out: the device
+(device.resolve_device), the dataset (training_data.py), placement=auto's
+plan (auto_placement.py); starting from a checkpoint is restore.py, which
+returns what it restores and the trainer applies it. (Some 460 lines: the
+loop, its evaluation, checkpoints and the run's summary belong together.)
 """
 
 from __future__ import annotations
@@ -19,17 +22,17 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from data_tools.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.device import allocated_by, runtime_for
+from recsys_cli.device import allocated_by, resolve_device, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import build_embeddings, plan_auto
+from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
+from recsys_cli.train.auto_placement import auto_placement
 from recsys_cli.train.loggers import make_log
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
 from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
@@ -37,35 +40,11 @@ from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.schedule import LRSchedule
 from recsys_cli.train.threads import compute_threads
 from recsys_cli.train.throughput import ThroughputMeter
+from recsys_cli.train.training_data import training_data
 from recsys_cli.train.transfer import BatchCopier, pinning
 
 PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communication", "sparse_update", "dense_update",
           "eval")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available (use trainer.device=auto or cpu)")
-    return torch.device(name)
-
-
-def resolve_dataset(dataset) -> Path:
-    """The dataset directory: dataset.path, or the built-in synthetic data,
-    generated on first use."""
-    try:
-        path = dataset.path
-    except Exception:  # OmegaConf's MissingMandatoryValue for `path: ???`
-        raise UserError(f"dataset {dataset.name} needs dataset.path=DIR (a `recsys preprocess` output)") from None
-    if path:
-        return Path(path).expanduser()
-    if not dataset.name.startswith("synthetic"):
-        raise UserError(f"dataset {dataset.name} needs dataset.path=DIR (a `recsys preprocess` output)")
-    from data_tools.synthetic import SyntheticConfig, default_dataset
-
-    synthetic = SyntheticConfig(**OmegaConf.to_container(dataset.synthetic, resolve=True))
-    return default_dataset(synthetic, Path(dataset.cache_dir).expanduser() if dataset.cache_dir else None)
 
 
 class Trainer:
@@ -76,35 +55,22 @@ class Trainer:
         self.console = console
         tc = cfg.trainer
         self.dist = distributed.current()  # world_size 1 unless a process group is up
-        self.device = resolve_device(tc.device)
-        if self.dist.enabled and self.device.type == "cuda":  # one device per process
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dataset_dir = resolve_dataset(cfg.dataset)
-        try:
-            self.manifest = load_manifest(self.dataset_dir)
-        except ManifestError as e:
-            raise UserError(str(e)) from None
-        if not self.manifest.labelled:
-            raise UserError(f"{self.dataset_dir} has no labels (preprocessed with labels=false): train on labelled "
-                            "data, and score this one with `recsys predict`")
-        features = self.manifest.feature_names
-        if cfg.model.features is not None and list(cfg.model.features) != features:
-            raise UserError(
-                f"model {cfg.model.name} expects sparse features {list(cfg.model.features)}, "
-                f"but {self.dataset_dir}/manifest.json has {features}"
-            )
+        self.device = resolve_device(tc.device, one_of_many=self.dist.enabled)  # one device per process
+        self.data = data = training_data(cfg)
+        features, vocab_sizes = data.features, data.vocab_sizes
 
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
-        vocab_sizes = [f.vocab_size for f in self.manifest.sparse_features]
-        self.plan = self.plan_placement(features, vocab_sizes, row_optimizer) if cfg.placement.kind == "auto" else None
+        self.plan = auto_placement(cfg, data, row_optimizer) if cfg.placement.kind == "auto" else None
+        if self.plan is not None and self.console is not None:
+            self.console.print(self.plan.table(), width=max(self.console.width, 140))
         self.runtime = runtime_for(self.device)
         # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
         embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
-            self.device, tc.seed, **(self.plan_overrides() if self.plan else {}),
-            batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in self.manifest.sparse_features},
+            self.device, tc.seed, **(self.plan.build_arguments() if self.plan else {}),
+            batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in data.manifest.sparse_features},
         ))
         if self.console is not None and self.dist.is_main:
             for line in embeddings.cache_sizes():
@@ -115,7 +81,7 @@ class Trainer:
                 f"placement plan allocated {device_bytes} device bytes, over the budget {self.plan.budget_bytes}"
             )
         self.model = DLRM(
-            len(self.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
+            len(data.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
             cfg.model.interaction, cfg.model.init, cfg.model.dcn_layers, cfg.model.dcn_rank, seed=tc.seed,
             compile=cfg.model.compile, mlp_precision=cfg.model.mlp_precision,
         ).to(self.device)
@@ -140,21 +106,20 @@ class Trainer:
             transform = lambda batch: pin(embeddings.plan_batch(batch))  # noqa: E731
         loader_args = dict(transform=transform, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
-        self.keep_sessions = self.session_shuffle(cfg.dedup, self.manifest.session_column)
         self.train_loader = ShardLoader(
-            self.dataset_dir, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
-            keep_sessions=self.keep_sessions, **loader_args,
+            data.directory, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
+            keep_sessions=data.keep_sessions, **loader_args,
         )
+        splits = data.manifest.splits
         self.eval_loaders = {
-            split: ShardLoader(self.dataset_dir, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
-            for split in ("val", "test")
-            if split in self.manifest.splits and self.manifest.splits[split].rows > 0
+            split: ShardLoader(data.directory, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
+            for split in ("val", "test") if split in splits and splits[split].rows > 0
         }
         per_epoch = self.train_loader.num_batches
         self.total_steps = tc.epochs * per_epoch if tc.max_steps is None else min(tc.max_steps, tc.epochs * per_epoch)
         if self.total_steps < 1:
             raise UserError(
-                f"no training steps: {self.manifest.splits['train'].rows} train rows at "
+                f"no training steps: {splits['train'].rows} train rows at "
                 f"trainer.batch_size={tc.batch_size}"
             )
         self.schedule = LRSchedule.from_config(opt, self.total_steps)
@@ -188,43 +153,6 @@ class Trainer:
         # How this process trains with the others (alone, grad or cache_avg): after a resume,
         # so cache_avg starts from the restored caches and step.
         self.strategy = strategies.strategy_for(cfg, self.dist, self.model, self.timer, step=self.step)
-
-    def session_shuffle(self, dedup, session_column: str | None) -> bool:
-        """Whether the loader shuffles whole sessions. By default exactly when
-        dedup is on and the dataset has a session column: in-batch dedup of
-        ids needs no sessions, they only make batches hold more duplicates."""
-        if dedup.keep_sessions is None:
-            return bool(dedup.enabled and session_column)
-        if dedup.keep_sessions and not session_column:
-            raise UserError(
-                f"dedup.keep_sessions=true but {self.dataset_dir}/{MANIFEST_NAME} names no session column "
-                "(use dataset=synthetic_sessions, or leave dedup.keep_sessions unset)"
-            )
-        return bool(dedup.keep_sessions)
-
-    def plan_placement(self, features, vocab_sizes, row_optimizer):
-        """placement=auto: plan from the skew of the first training batches."""
-        cfg = self.cfg
-        sample = ShardLoader(self.dataset_dir, "train", cfg.trainer.batch_size, shuffle=True, seed=cfg.trainer.seed)
-        batches = []
-        for batch in sample:
-            batches.append(batch.sparse)
-            if len(batches) == 64:
-                break
-        plan = plan_auto(features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
-                         row_optimizer, batches)
-        if self.console is not None:
-            self.console.print(plan.table(), width=max(self.console.width, 140))
-        return plan
-
-    def plan_overrides(self) -> dict:
-        """build_embeddings arguments that realise the plan: device tables in
-        fp32, the others in the run's precision behind one lookahead cache
-        (host tables) and one more for the disk tables."""
-        plan = self.plan
-        precisions = {t: ("fp32" if p == "device" else self.cfg.precision.kind) for t, p in plan.placements.items()}
-        cache_rows = {kind: plan.cache_rows_of(kind) or None for kind in ("lookahead", "disk")}
-        return {"placements": plan.placements, "precisions": precisions, "cache_rows": cache_rows}
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
@@ -442,10 +370,10 @@ class Trainer:
             "tables": self.embeddings.table_state(),  # a snapshot: the live cache and store do not change
             "caches": self.embeddings.cache_snapshot(),  # slots and fp32 rows, so a resumed run continues exactly
             "torch_rng": torch.get_rng_state(),
-            "features": {f.name: f.vocab_size for f in self.manifest.sparse_features},
+            "features": restore.feature_sizes(self.data),
             # what `recsys predict` needs to map raw rows: the dataset's vocabulary, and where rows lived
-            "dataset_dir": str(self.dataset_dir.absolute()),
-            "vocabulary": self.manifest.options.get("vocabulary", {}).get("fingerprint"),
+            "dataset_dir": str(self.data.directory.absolute()),
+            "vocabulary": self.data.manifest.options.get("vocabulary", {}).get("fingerprint"),
             "table_tiers": {t.name: g.store_tier for g in self.embeddings.groups for t in g.tables},
             "metrics": list(self.log.lines),  # metrics.jsonl up to here: a resumed run rewinds it
             "running_loss": (self.running_loss.cpu(), self.running_steps),  # the next log line's mean
@@ -461,13 +389,26 @@ class Trainer:
         return_free_memory()  # the save's buffers, as after an evaluation
         return path
 
+    def restorable(self) -> restore.Restorable:
+        return restore.Restorable(self.model, self.dense_optimizer, self.embeddings)
+
     def resume(self, resume: str) -> None:
         """Continue the run saved at `resume` (a checkpoint, a directory, or "true": the latest)."""
-        restore.resume(self, resume)
+        path = restore.resume_path(resume, self.checkpoint_dir, self.run_dir)
+        at = restore.resume(path, self.cfg, self.data, self.restorable())
+        self.step, self.epoch, self.batch_in_epoch, self.samples = at.step, at.epoch, at.batch_in_epoch, at.samples
+        if at.metrics is not None:
+            self.log.restore(at.metrics)
+            self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
+        self.saved_step = self.step
+        if self.console is not None:
+            self.console.print(f"resumed from {path} at step {self.step}")
 
     def init_from(self, location: str) -> None:
         """Weights and optimizer state from a checkpoint, into this new run (restore.py)."""
-        restore.init_from(self, location)
+        path, trained = restore.init_from(location, self.cfg, self.data, self.restorable())
+        if self.console is not None:
+            self.console.print(f"initialised from {path} (trained {trained} steps)")
 
     # --- the report --------------------------------------------------------------
     def summary(self, final: dict) -> dict:
@@ -494,7 +435,7 @@ class Trainer:
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
-            "session_shuffle": self.keep_sessions,  # batches hold whole sessions
+            "session_shuffle": self.data.keep_sessions,  # batches hold whole sessions
             "cache": self.embeddings.stats(),
             "placement_plan": None if self.plan is None else {
                 "budget_bytes": self.plan.budget_bytes, "expected_bytes": self.plan.expected_bytes,

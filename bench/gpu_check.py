@@ -1,22 +1,38 @@
-"""`make gpu-check`: the device check, on one CUDA GPU (about 8 minutes).
+"""`make gpu-check`: the device check, on one CUDA GPU (about 4 minutes, at most 6).
 
-    .venv/bin/python -m bench.gpu_check [--out DIR] [--steps 120] [--rows 400000]
-        [--cardinality-scale 1.0] [--quick]
+    python -m bench.gpu_check [--out DIR] [--steps 100] [--rows 400000]
+        [--cardinality-scale 1.0] [--stages data,tests,...] [--dry]
 
-1. tests   pytest with RECSYS_TEST_DEVICE=cuda on the files whose tests take
-           the device (the CPU run stays the default everywhere else).
-2. exact   on CUDA, fp32: lookahead, cache and host placements train to the
-           same per-step losses and tables as device placement (torch.equal);
-           int8 behind the lookahead cache: two runs are bit for bit the same.
-3. speed   the Kaggle model (dlrm_kaggle, Kaggle cardinalities x
-           --cardinality-scale) at batch 2048: device vs lookahead 5 % and 1 %
-           vs host placement, samples/s and the phase split of each.
-4. overlap torch.profiler over steps of the lookahead 5 % run: the share of
-           host-to-device copy time on side streams that overlaps kernels on
-           the compute stream (the prefetch copies must overlap compute).
+Every stage runs in its own process under its own timeout, so a stage that
+crashes (a CUDA error, a segfault) or hangs is recorded and the next one
+still runs; the report is rewritten after every stage.
 
-Writes DIR/gpu_check.json and DIR/gpu_check.md (default outputs/gpu-check);
-exit code 1 if a check failed, 2 without a CUDA device.
+  data          generate the synthetic datasets the stages train on
+  tests         pytest with RECSYS_TEST_DEVICE=cuda on the files whose tests
+                take the device; the full output is kept (DIR/tests.log,
+                junit XML in DIR/tests.xml)
+  exact         fp32, torch.use_deterministic_algorithms(True): lookahead,
+                cache and host placements train to the same per-step losses
+                and tables as device placement (torch.equal)
+  determinism   int8 behind the lookahead cache, deterministic algorithms:
+                two runs are bit for bit the same
+  speed: NAME   the Kaggle model (dlrm_kaggle, Kaggle cardinalities x
+                --cardinality-scale) at batch 2048, one stage per placement:
+                device, lookahead 5 %, lookahead 1 %, host; samples/s and
+                the phase split
+  overlap       torch.profiler over steps of a lookahead 5 % run: the fill
+                copies, found by their record_function range
+                (`lookahead_fill`, embeddings/cache.py) through the launch
+                correlation, must overlap kernels on the compute stream
+
+`--dry` runs every stage on CPU at tiny sizes (CI runs it: the check itself
+cannot rot); its overlap stage can only check that the fill ranges are
+recorded on the prefetcher's thread, there are no kernels.
+
+Writes DIR/gpu_check.json and DIR/gpu_check.md (default outputs/gpu-check).
+Exit codes: 0 every stage passed; 1 a stage failed, crashed or timed out;
+2 bad arguments; 3 the check itself crashed (the report holds the stages
+done so far); 4 no CUDA device (and not --dry): nothing ran.
 """
 
 from __future__ import annotations
@@ -24,21 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from omegaconf import OmegaConf
-
-from recsys_cli.config import TrainConfig
-from recsys_cli.errors import UserError
-from recsys_cli.train.metrics import write_json_atomic
-from recsys_cli.train.trainer import Trainer
-
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_NO_CUDA = 1, 2, 3, 4
 TEST_FILES = ["tests/test_segment_reduce.py", "tests/test_device_paths.py", "tests/test_train.py"]
+DRY_TEST_FILES = ["tests/test_segment_reduce.py"]
 EXACT_PLACEMENTS = {
     "device": {"placement.kind": "device"},
     "lookahead": {"placement.kind": "lookahead", "placement.cache_rows": 1500, "placement.window": 3},
@@ -51,9 +65,56 @@ SPEED_SYSTEMS = {
     "lookahead 1 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.01},
     "host": {"placement.kind": "uvm"},
 }
+FILL_RANGE = "lookahead_fill"  # embeddings/cache.py names its fill copies so
+PROFILED_STEPS = (20, 8)  # overlap: steps 20..27 traced (dry: 2..5)
 
 
-def config(cache_dir: Path, overrides: dict, *, rows: int, scale: float, batch: int, steps: int, kaggle: bool):
+@dataclass(frozen=True)
+class Sizes:
+    """What the stages train on: the real check's sizes, or --dry's tiny ones."""
+
+    exact_rows: int
+    exact_scale: float
+    exact_batch: int
+    exact_steps: int
+    speed_rows: int
+    speed_scale: float
+    speed_batch: int
+    speed_steps: int
+    overlap_scale: float
+    profiled: tuple[int, int]
+    test_files: tuple[str, ...]
+
+
+def sizes(args) -> Sizes:
+    if args.dry:
+        # 1 % of the Kaggle tables at scale 0.003 is 1,000 slots: more than a batch of 32 x 26 lookups.
+        return Sizes(4000, 0.0005, 64, 6, 3000, 0.003, 32, 8, 0.003, (2, 3), tuple(DRY_TEST_FILES))
+    return Sizes(20000, 0.0005, 128, 40, args.rows, args.cardinality_scale, 2048, args.steps,
+                 min(args.cardinality_scale, 0.1), PROFILED_STEPS, tuple(TEST_FILES))
+
+
+# Per-stage timeouts (seconds, process start included); they add up to under
+# 6 minutes, so the whole check fits twice in a 15-minute device window.
+TIMEOUTS = {"data": 40, "tests": 120, "exact": 40, "determinism": 25, "overlap": 30}
+SPEED_TIMEOUT = 25
+
+
+def stage_names() -> list[str]:
+    return ["data", "tests", "exact", "determinism", *(f"speed: {n}" for n in SPEED_SYSTEMS), "overlap"]
+
+
+def timeout_of(stage: str) -> int:
+    return SPEED_TIMEOUT if stage.startswith("speed: ") else TIMEOUTS[stage]
+
+
+# --- the stages (each in its own process) -----------------------------------------
+def config(args, cache_dir: Path, overrides: dict, *, rows: int, scale: float, batch: int, steps: int,
+           kaggle: bool):
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import TrainConfig
+
     cfg = OmegaConf.structured(TrainConfig)
     if kaggle:
         OmegaConf.update(cfg, "model", OmegaConf.load("configs/model/dlrm_kaggle.yaml"), merge=True)
@@ -62,7 +123,7 @@ def config(cache_dir: Path, overrides: dict, *, rows: int, scale: float, batch: 
     cfg.dataset.synthetic.rows = rows
     cfg.dataset.synthetic.cardinality_scale = scale
     cfg.dataset.synthetic.split_ratios = [0.98, 0.01, 0.01]
-    cfg.trainer.device = "cuda"
+    cfg.trainer.device = "cpu" if args.dry else "cuda"
     cfg.trainer.batch_size = batch
     cfg.trainer.max_steps = steps
     cfg.trainer.progress = False
@@ -74,88 +135,159 @@ def config(cache_dir: Path, overrides: dict, *, rows: int, scale: float, batch: 
     return cfg
 
 
-def run_tests(timeout_s: int) -> dict:
-    env = dict(os.environ, RECSYS_TEST_DEVICE="cuda")
-    start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES],
-                              env=env, capture_output=True, text=True, timeout=timeout_s)
-        tail, ok = done.stdout.strip().splitlines()[-1:] or [""], done.returncode == 0
-    except subprocess.TimeoutExpired:
-        tail, ok = [f"timed out after {timeout_s} s"], False
-    return {"ok": ok, "files": TEST_FILES, "result": tail[0], "seconds": time.perf_counter() - start}
+def exact_config(args, cache_dir, s: Sizes, overrides: dict):
+    return config(args, cache_dir, overrides, rows=s.exact_rows, scale=s.exact_scale, batch=s.exact_batch,
+                  steps=s.exact_steps, kaggle=False)
 
 
-def train(cfg, record_losses: bool = False) -> tuple[Trainer, dict]:
+def speed_config(args, cache_dir, s: Sizes, overrides: dict, scale: float | None = None):
+    return config(args, cache_dir, overrides, rows=s.speed_rows, scale=s.speed_scale if scale is None else scale,
+                  batch=s.speed_batch, steps=s.speed_steps, kaggle=True)
+
+
+def train(cfg, record_losses: bool = False):
+    from recsys_cli.train.trainer import Trainer
+
     trainer = Trainer(cfg)
     trainer.record_losses = record_losses
     return trainer, trainer.fit()
 
 
-def exactness(cache_dir: Path, steps: int) -> dict:
-    small = dict(rows=20000, scale=0.0005, batch=128, steps=steps, kaggle=False)
-    ref, _ = train(config(cache_dir, EXACT_PLACEMENTS["device"], **small), record_losses=True)
+def deterministic() -> None:
+    """The exactness stages compare bits: no nondeterministic kernel may run
+    (one that has no deterministic version raises, and the stage fails)."""
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+
+
+def stage_data(args, out_dir: Path, cache_dir: Path) -> dict:
+    from recsys_cli.train.trainer import resolve_dataset
+
+    s = sizes(args)
+    made = []
+    for cfg in (exact_config(args, cache_dir, s, {}), speed_config(args, cache_dir, s, {}),
+                speed_config(args, cache_dir, s, {}, scale=s.overlap_scale)):
+        made.append(str(resolve_dataset(cfg.dataset)))
+    return {"ok": True, "datasets": sorted(set(made))}
+
+
+def stage_tests(args, out_dir: Path, cache_dir: Path) -> dict:
+    s = sizes(args)
+    env = dict(os.environ, RECSYS_TEST_DEVICE="cpu" if args.dry else "cuda")
+    junit, log = out_dir / "tests.xml", out_dir / "tests.log"
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE",
+                               f"--junitxml={junit}", *s.test_files],
+                              env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    counts = junit_counts(junit) if junit.exists() else {"tests": 0, "failures": 0, "errors": 0, "skipped": 0,
+                                                          "failed": []}
+    ran = counts["tests"] - counts["skipped"]
+    ok = done.returncode == 0 and counts["failures"] == 0 and counts["errors"] == 0 and ran > 0
+    summary = (f"{ran - counts['failures'] - counts['errors']} passed, {counts['failures']} failed, "
+               f"{counts['errors']} errors, {counts['skipped']} skipped")
+    return {"ok": ok, "files": list(s.test_files), "summary": summary, "pytest_exit_code": done.returncode,
+            "failed": counts["failed"], "junit": str(junit), "log": str(log)}
+
+
+def junit_counts(path: Path) -> dict:
+    """Totals and failed test ids from pytest's junit XML."""
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = []
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    counts["failed"] = failed
+    return counts
+
+
+def stage_exact(args, out_dir: Path, cache_dir: Path) -> dict:
+    import torch
+
+    deterministic()
+    s = sizes(args)
+    ref, _ = train(exact_config(args, cache_dir, s, EXACT_PLACEMENTS["device"]), record_losses=True)
     ref_tables = ref.embeddings.table_state()
-    out = {}
+    checks = {}
     for name, overrides in EXACT_PLACEMENTS.items():
         if name == "device":
             continue
-        got, _ = train(config(cache_dir, overrides, **small), record_losses=True)
+        got, _ = train(exact_config(args, cache_dir, s, overrides), record_losses=True)
         tables = got.embeddings.table_state()
-        out[f"fp32 {name} == device"] = (got.step_losses == ref.step_losses and all(
+        checks[f"fp32 {name} == device"] = (got.step_losses == ref.step_losses and all(
             torch.equal(tables[t]["weights"], ref_tables[t]["weights"]) for t in ref_tables))
+    return {"ok": all(checks.values()), "checks": checks, "steps": s.exact_steps}
+
+
+def stage_determinism(args, out_dir: Path, cache_dir: Path) -> dict:
+    import torch
+
+    deterministic()
+    s = sizes(args)
     runs = []
     for _ in range(2):
-        got, _ = train(config(cache_dir, {**EXACT_PLACEMENTS["lookahead"], "precision.kind": "int8"}, **small),
+        got, _ = train(exact_config(args, cache_dir, s, {**EXACT_PLACEMENTS["lookahead"], "precision.kind": "int8"}),
                        record_losses=True)
         runs.append((got.step_losses, got.embeddings.table_state()))
     (l1, t1), (l2, t2) = runs
-    out["int8 lookahead run == run"] = l1 == l2 and all(
-        torch.equal(t1[t][k], t2[t][k]) for t in t1 for k in t1[t] if isinstance(t1[t][k], torch.Tensor))
-    return out
+    same = l1 == l2 and all(torch.equal(t1[t][k], t2[t][k]) for t in t1 for k in t1[t]
+                            if isinstance(t1[t][k], torch.Tensor))
+    return {"ok": same, "checks": {"int8 lookahead run == run": same}, "steps": s.exact_steps}
 
 
-def overlap_of(trace_path: Path) -> dict:
-    """From a chrome trace: host-to-device copy time on streams other than the
-    compute stream (the one with the most kernel time), and the share of it
-    that kernels on the compute stream overlap."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    kernels, copies = {}, []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        stream = (e.get("args") or {}).get("stream")
-        if e.get("cat") == "kernel":
-            kernels.setdefault(stream, []).append((e["ts"], e["ts"] + e["dur"]))
-        elif e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""):
-            copies.append((stream, e["ts"], e["ts"] + e["dur"]))
-    if not kernels:
-        return {"ok": False, "reason": "no kernels in the trace"}
-    compute = max(kernels, key=lambda s: sum(b - a for a, b in kernels[s]))
-    busy = sorted(kernels[compute])
-    side = [(a, b) for s, a, b in copies if s != compute]
-    total = sum(b - a for a, b in side)
-    covered = 0.0
-    for a, b in side:
-        for ka, kb in busy:
-            if kb <= a:
-                continue
-            if ka >= b:
-                break
-            covered += min(b, kb) - max(a, ka)
-    share = covered / total if total else 0.0
-    return {"ok": share > 0.0, "compute_stream": compute, "side_copy_us": total,
-            "compute_stream_copy_us": sum(b - a for s, a, b in copies if s == compute),
-            "overlapped_share": share}
+def stage_speed(system: str):
+    def run(args, out_dir: Path, cache_dir: Path) -> dict:
+        from recsys_cli.errors import UserError
+
+        s = sizes(args)
+        try:
+            _, summary = train(speed_config(args, cache_dir, s, SPEED_SYSTEMS[system]))
+        except UserError as e:  # e.g. a 1 % cache smaller than one batch at a small --cardinality-scale
+            return {"ok": False, "error": str(e)}
+        return {
+            "ok": True,
+            "samples_per_second": summary["samples_per_second"],
+            "phase_seconds": summary["phase_seconds"],
+            "peak_device_bytes": summary["peak_device_bytes"],
+            "embedding_bytes_allocated": summary["embedding_bytes_allocated"],
+            "pageable_host_to_device_copies": summary["pageable_host_to_device_copies"],
+            "cache_hit_rate": (summary.get("cache") or {}).get("hit_rate"),
+        }
+
+    return run
 
 
-def profiled(trainer: Trainer, trace: Path) -> tuple[dict, dict]:
-    """trainer.fit() with steps 20..27 traced by torch.profiler; (summary, overlap_of the trace)."""
-    prof = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-        schedule=torch.profiler.schedule(wait=20, warmup=2, active=8, repeat=1),
-        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)),
+def profiler_for(trace: Path, first: int, active: int, cuda: bool):
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kwargs = {}
+    try:  # the fills run on the prefetcher's thread; ranges there are recorded only with this
+        from torch._C._profiler import _ExperimentalConfig
+
+        kwargs["experimental_config"] = _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):  # an older torch: the stage then finds no fill ranges and says so
+        pass
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=first, warmup=0, active=active, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(trace)), **kwargs,
     )
+
+
+def stage_overlap(args, out_dir: Path, cache_dir: Path) -> dict:
+    from recsys_cli.train.trainer import Trainer
+
+    s = sizes(args)
+    first, active = s.profiled
+    cfg = speed_config(args, cache_dir, s, SPEED_SYSTEMS["lookahead 5 %"], scale=s.overlap_scale)
+    cfg.trainer.max_steps = max(cfg.trainer.max_steps, first + active + 2)
+    trainer = Trainer(cfg)
+    trace = out_dir / "lookahead_trace.json"
+    prof = profiler_for(trace, first, active, cuda=not args.dry)
     step = trainer.train_step
 
     def traced(batch):
@@ -165,92 +297,250 @@ def profiled(trainer: Trainer, trace: Path) -> tuple[dict, dict]:
 
     trainer.train_step = traced
     with prof:
-        summary = trainer.fit()
-    return summary, overlap_of(trace) if trace.exists() else {"ok": False, "reason": "no trace written"}
+        trainer.fit()
+    if not trace.exists():
+        return {"ok": False, "error": "the profiler wrote no trace"}
+    events = json.loads(trace.read_text())["traceEvents"]
+    return fill_ranges_recorded(events) if args.dry else fill_overlap(events)
 
 
-def speed(cache_dir: Path, out_dir: Path, steps: int, rows: int, scale: float) -> tuple[dict, dict]:
-    big = dict(rows=rows, scale=scale, batch=2048, steps=steps, kaggle=True)
-    results, overlap = {}, {}
-    for name, overrides in SPEED_SYSTEMS.items():
-        try:
-            trainer = Trainer(config(cache_dir, overrides, **big))
-        except UserError as e:  # e.g. a 1 % cache smaller than one batch at a small --cardinality-scale
-            results[name] = {"error": str(e)}
+def fill_ranges_recorded(events: list[dict]) -> dict:
+    """--dry: the lookahead fills' ranges are in the trace, on a thread of their own."""
+    fills = [e for e in events if e.get("ph") == "X" and e.get("name") == FILL_RANGE]
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep")]
+    step_threads = {e.get("tid") for e in steps}
+    fill_threads = {e.get("tid") for e in fills}
+    ok = bool(fills) and bool(fill_threads - step_threads)
+    return {"ok": ok, "fill_ranges": len(fills), "fill_threads": len(fill_threads),
+            "note": "CPU: no kernels; checks the fill ranges are recorded on the prefetcher's thread"}
+
+
+def fill_overlap(events: list[dict]) -> dict:
+    """From a chrome trace of a CUDA run: the host-to-device copies launched
+    inside `lookahead_fill` ranges (matched through the launch's correlation
+    id), and the share of their time that kernels on the compute stream (the
+    one with the most kernel time) overlap."""
+    fills: dict[object, list[tuple[float, float]]] = {}
+    launches, kernels, copies = [], {}, []
+    for e in events:
+        if e.get("ph") != "X":
             continue
-        try:
-            if name == "lookahead 5 %":  # steps 20..27 of this run, traced
-                summary, overlap = profiled(trainer, out_dir / "lookahead_trace.json")
-            else:
-                summary = trainer.fit()
-        except UserError as e:
-            results[name] = {"error": str(e)}
+        cat, args = e.get("cat"), e.get("args") or {}
+        if e.get("name") == FILL_RANGE and cat != "gpu_user_annotation":
+            fills.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"]))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            launches.append((e.get("tid"), e["ts"], args["correlation"]))
+        elif cat == "kernel":
+            kernels.setdefault(args.get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+        elif cat == "gpu_memcpy" and "HtoD" in e.get("name", ""):
+            copies.append((args.get("stream"), e["ts"], e["ts"] + e["dur"], args.get("correlation")))
+    if not kernels:
+        return {"ok": False, "error": "no kernels in the trace"}
+    filled = {c for tid, ts, c in launches if any(a <= ts <= b for a, b in fills.get(tid, ()))}
+    compute = max(kernels, key=lambda st: sum(b - a for a, b in kernels[st]))
+    busy = sorted(kernels[compute])
+    fill_copies = [(st, a, b) for st, a, b, c in copies if c in filled]
+    total = sum(b - a for _, a, b in fill_copies)
+    covered = sum(_covered(a, b, busy) for st, a, b in fill_copies if st != compute)
+    share = covered / total if total else 0.0
+    on_compute = sum(b - a for st, a, b in fill_copies if st == compute)
+    result = {"fill_ranges": sum(len(r) for r in fills.values()), "fill_copies": len(fill_copies),
+              "fill_copy_us": total, "fill_copy_us_on_compute_stream": on_compute,
+              "compute_stream": compute, "overlapped_share": share}
+    if not fill_copies:
+        result["error"] = "no host-to-device copy was launched inside a lookahead_fill range"
+    return {"ok": bool(fill_copies) and share > 0.0, **result}
+
+
+def _covered(a: float, b: float, busy: list[tuple[float, float]]) -> float:
+    covered = 0.0
+    for ka, kb in busy:
+        if kb <= a:
             continue
-        results[name] = {
-            "samples_per_second": summary["samples_per_second"],
-            "phase_seconds": summary["phase_seconds"],
-            "peak_device_bytes": summary["peak_device_bytes"],
-            "embedding_bytes_allocated": summary["embedding_bytes_allocated"],
-            "pageable_host_to_device_copies": summary["pageable_host_to_device_copies"],
-            "cache_hit_rate": (summary.get("cache") or {}).get("hit_rate"),
-        }
-        del trainer
-        torch.cuda.empty_cache()
-    return results, overlap
+        if ka >= b:
+            break
+        covered += min(b, kb) - max(a, ka)
+    return covered
+
+
+def stage_function(stage: str):
+    if stage.startswith("speed: "):
+        return stage_speed(stage[len("speed: "):])
+    return {"data": stage_data, "tests": stage_tests, "exact": stage_exact, "determinism": stage_determinism,
+            "overlap": stage_overlap}[stage]
+
+
+def run_stage_here(args) -> None:
+    """A child: run one stage, write its result (the parent reads it)."""
+    import torch
+
+    out_dir, cache_dir = Path(args.out), Path(args.cache_dir)
+    start = time.perf_counter()
+    result = stage_function(args.stage)(args, out_dir, cache_dir)
+    result["device"] = "cpu" if args.dry else torch.cuda.get_device_name()
+    result["torch"] = torch.__version__
+    result["stage_seconds"] = time.perf_counter() - start
+    tmp = Path(args.result + ".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.replace(args.result)
+
+
+# --- the parent: every stage in its own process -------------------------------------
+def run_stage(stage: str, args, out_dir: Path, cache_dir: Path, passthrough: list[str]) -> dict:
+    slug = stage.replace(": ", "-").replace(" %", "pct").replace(" ", "-")
+    result_path, log_path = out_dir / f"stage-{slug}.json", out_dir / f"stage-{slug}.log"
+    result_path.unlink(missing_ok=True)
+    timeout = timeout_of(stage)
+    command = [sys.executable, "-m", "bench.gpu_check", "--stage", stage, "--result", str(result_path),
+               "--cache-dir", str(cache_dir), *passthrough]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the stage and whatever it started
+            child.wait()
+            code = None
+    seconds = time.perf_counter() - start
+    entry = {"name": stage, "seconds": round(seconds, 2), "timeout_s": timeout, "log": str(log_path)}
+    if code is None:
+        return {**entry, "status": "timed out", "ok": False, "error": f"timed out after {timeout} s"}
+    if code != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        return {**entry, "status": "crashed", "ok": False, "error": f"exit code {code}: {tail[0]}"}
+    details = json.loads(result_path.read_text())
+    ok = bool(details.pop("ok"))
+    return {**entry, "status": "passed" if ok else "failed", "ok": ok, "error": details.pop("error", None),
+            "details": details}
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    for name, text in (("gpu_check.json", json.dumps(report, indent=1, default=str)), ("gpu_check.md", markdown(report))):
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# gpu-check {report['date']} on {report['device']}", "",
-             f"tests ({' '.join(report['tests']['files'])}): {report['tests']['result']}", "",
-             "| check | result |", "|---|---|"]
-    lines += [f"| {k} | {'ok' if v else 'FAILED'} |" for k, v in report["exact"].items()]
-    ov = report["overlap"]
-    lines += [f"| prefetch copies overlap compute | {'ok' if ov.get('ok') else 'FAILED'} "
-              f"({ov.get('overlapped_share', 0):.0%} of {ov.get('side_copy_us', 0) / 1e3:.1f} ms) |", "",
-              "| placement (dlrm_kaggle, batch 2048) | samples/s | vs device | peak device | pageable copies |",
-              "|---|---|---|---|---|"]
-    base = report["speed"].get("device", {}).get("samples_per_second") or 0
-    for name, r in report["speed"].items():
-        if "error" in r:
-            lines.append(f"| {name} | - | - | - | {r['error']} |")
-            continue
-        rate = r["samples_per_second"] or 0
-        lines.append(f"| {name} | {rate:,.0f} | {rate / base if base else 0:.2f} | "
-                     f"{(r['peak_device_bytes'] or 0) / 2**20:,.0f} MiB | {r['pageable_host_to_device_copies']} |")
+    stages = report.get("stages", [])
+    verdict = "PASSED" if report.get("ok") else ("INCOMPLETE" if report.get("error") else "FAILED")
+    lines = [f"# gpu-check {report['date']} on {report.get('device') or '?'}: {verdict}", "",
+             f"torch {report.get('torch')}, {'dry run on CPU (tiny sizes)' if report.get('dry') else 'CUDA'}, "
+             f"{report.get('seconds', 0):.0f} s", ""]
+    if report.get("error"):
+        lines += [f"**The check crashed**: {report['error']}", ""]
+    lines += ["| stage | result | seconds (limit) | what it found |", "|---|---|---|---|"]
+    for st in stages:
+        lines.append(f"| {st['name']} | {st['status']} | {st['seconds']:.1f} ({st['timeout_s']}) | {_found(st)} |")
+    speed = [st for st in stages if st["name"].startswith("speed: ") and st.get("details", {}).get(
+        "samples_per_second")]
+    if speed:
+        base = next((st["details"]["samples_per_second"] for st in speed if st["name"] == "speed: device"), 0)
+        lines += ["", "| placement (dlrm_kaggle) | samples/s | vs device | peak device | pageable copies |",
+                  "|---|---|---|---|---|"]
+        for st in speed:
+            d = st["details"]
+            rate = d["samples_per_second"] or 0
+            lines.append(f"| {st['name'][len('speed: '):]} | {rate:,.0f} | {rate / base if base else 0:.2f} | "
+                         f"{(d.get('peak_device_bytes') or 0) / 2**20:,.0f} MiB | "
+                         f"{d.get('pageable_host_to_device_copies')} |")
+    failed = [t for st in stages for t in st.get("details", {}).get("failed", [])]
+    if failed:
+        lines += ["", "Failed tests (full output in tests.log, junit XML in tests.xml):", ""]
+        lines += [f"* {t}" for t in failed[:30]]
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _found(st: dict) -> str:
+    d = st.get("details", {})
+    if st.get("error"):
+        return str(st["error"]).replace("|", "/")[:200]
+    if "summary" in d:
+        return d["summary"]
+    if "checks" in d:
+        return "; ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in d["checks"].items())
+    if "overlapped_share" in d:
+        return (f"{d['fill_copies']} fill copies ({d['fill_copy_us'] / 1e3:.1f} ms), "
+                f"{d['overlapped_share']:.0%} under compute-stream kernels")
+    if "fill_ranges" in d:
+        return f"{d['fill_ranges']} {FILL_RANGE} ranges on {d['fill_threads']} thread(s); {d.get('note', '')}"
+    if "samples_per_second" in d:
+        return f"{d['samples_per_second']:,.0f} samples/s"
+    if "datasets" in d:
+        return f"{len(d['datasets'])} dataset(s)"
+    return ""
+
+
+def check(args, passthrough: list[str]) -> int:
+    import torch
+
+    out_dir = Path(args.out)
+    if not args.dry and not torch.cuda.is_available():
+        print("gpu-check needs a CUDA device; none is available (it has not run; `--dry` runs it on CPU)",
+              file=sys.stderr)
+        return EXIT_NO_CUDA
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(args.cache_dir or os.environ.get("RECSYS_CACHE") or tempfile.mkdtemp(prefix="recsys-gpu-check-"))
+    names = stage_names()
+    chosen = names if not args.stages else [n.strip() for n in args.stages.split(",")]
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        print(f"--stages: unknown stage(s) {', '.join(unknown)}; the stages are: {', '.join(names)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": None, "torch": torch.__version__,
+              "python": sys.executable, "dry": args.dry, "args": vars(args), "stages": [], "ok": False}
+    start = time.perf_counter()
+    try:
+        for stage in chosen:
+            entry = run_stage(stage, args, out_dir, cache_dir, passthrough)
+            report["stages"].append(entry)
+            report["device"] = report["device"] or entry.get("details", {}).get("device")
+            report["seconds"] = time.perf_counter() - start
+            write_report(report, out_dir)
+            print(f"{stage:>22}: {entry['status']} ({entry['seconds']:.1f} s) {_found(entry)}", flush=True)
+        report["ok"] = all(st["ok"] for st in report["stages"])
+    except Exception as e:  # the check itself, not a stage: keep what was done
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["traceback"] = traceback.format_exc()
+    report["seconds"] = time.perf_counter() - start
+    code = EXIT_CRASHED if report.get("error") else (0 if report["ok"] else EXIT_FAILED)
+    report["exit_code"] = code
+    write_report(report, out_dir)
+    print(markdown(report))
+    return code
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check")
     parser.add_argument("--out", default="outputs/gpu-check")
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--cardinality-scale", type=float, default=1.0)
-    parser.add_argument("--test-timeout", type=int, default=240)
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not for the record")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu-check needs a CUDA device; none is available (it has not run)", file=sys.stderr)
-        sys.exit(2)
-    if args.quick:
-        args.steps, args.rows, args.cardinality_scale = 40, 100_000, 0.1
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(os.environ.get("RECSYS_CACHE") or tempfile.mkdtemp(prefix="recsys-gpu-check-"))
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "args": vars(args)}
-    start = time.perf_counter()
-    report["tests"] = run_tests(args.test_timeout)
-    report["exact"] = exactness(cache_dir, steps=40)
-    report["speed"], report["overlap"] = speed(cache_dir, out_dir, args.steps, args.rows, args.cardinality_scale)
-    report["seconds"] = time.perf_counter() - start
-    report["ok"] = report["tests"]["ok"] and all(report["exact"].values()) and bool(report["overlap"].get("ok"))
-    write_json_atomic(out_dir / "gpu_check.json", report)
-    table = out_dir / "gpu_check.md.tmp"
-    table.write_text(markdown(report))
-    table.replace(out_dir / "gpu_check.md")
-    print(markdown(report))
-    sys.exit(0 if report["ok"] else 1)
+    parser.add_argument("--stages", default=None, help="comma-separated subset, e.g. exact,overlap")
+    parser.add_argument("--dry", action="store_true", help="every stage on CPU at tiny sizes (CI)")
+    parser.add_argument("--cache-dir", default=None, help="where the synthetic datasets go")
+    parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # a child: run this stage
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.stage is not None:
+        run_stage_here(args)
+        return
+    # What every child gets: the sizes and the output folder, never --stages.
+    passthrough = ["--out", args.out, "--steps", str(args.steps), "--rows", str(args.rows),
+                   "--cardinality-scale", str(args.cardinality_scale), *(["--dry"] if args.dry else [])]
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS under deterministic algorithms
+    try:
+        code = check(args, passthrough)
+    except Exception:  # before the report exists
+        traceback.print_exc()
+        code = EXIT_CRASHED
+    sys.exit(code)
 
 
 if __name__ == "__main__":

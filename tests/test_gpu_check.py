@@ -1,5 +1,6 @@
-"""The device check's own logic, on CPU: the overlap measure of a profiler
-trace, its report, and a clear refusal without a CUDA device."""
+"""The device check itself, on CPU: its dry run end to end (every stage on
+CPU at tiny sizes), a stage that crashes or hangs recorded while the next
+still runs, the exit codes, and the overlap measure of a profiler trace."""
 
 from __future__ import annotations
 
@@ -13,44 +14,101 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
-from bench.gpu_check import markdown, overlap_of  # noqa: E402
+import bench.gpu_check as gpu_check  # noqa: E402
 
 
-def _trace(tmp_path, copies, kernels):
-    events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": a, "dur": b - a, "args": {"stream": s}} for s, a, b in kernels]
-    events += [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": a, "dur": b - a,
-                "args": {"stream": s}} for s, a, b in copies]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    return path
+def test_the_dry_check_runs_every_stage_on_cpu_and_reports_each(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry", "--out", str(out),
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [st["name"] for st in report["stages"]] == gpu_check.stage_names()
+    assert all(st["status"] == "passed" and st["seconds"] < st["timeout_s"] for st in report["stages"])
+    assert report["ok"] and report["exit_code"] == 0 and report["dry"]
+    stages = {st["name"]: st for st in report["stages"]}
+    assert stages["exact"]["details"]["checks"] == {f"fp32 {p} == device": True for p in ("lookahead", "cache", "host")}
+    assert stages["determinism"]["details"]["checks"] == {"int8 lookahead run == run": True}
+    assert all(stages[f"speed: {n}"]["details"]["samples_per_second"] > 0 for n in gpu_check.SPEED_SYSTEMS)
+    assert stages["overlap"]["details"]["fill_ranges"] > 0  # the fill copies are named in the trace
+    # pytest's full output and its junit XML are kept
+    tests = stages["tests"]["details"]
+    junit = gpu_check.junit_counts(Path(tests["junit"]))
+    assert junit["tests"] > 0 and junit["failures"] == junit["errors"] == 0
+    assert "passed" in Path(tests["log"]).read_text() and tests["summary"].startswith(f"{junit['tests']} passed")
+    table = (out / "gpu_check.md").read_text()
+    assert ": PASSED" in table.splitlines()[0] and "| tests | passed |" in table and "| lookahead 1 % |" in table
 
 
-def test_overlap_counts_side_stream_copies_under_compute_kernels(tmp_path):
-    kernels = [(7, 0, 100), (7, 150, 300), (9, 0, 5)]  # stream 7 computes
-    copies = [(9, 50, 170), (9, 400, 440), (7, 310, 320)]  # 50 + 20 of 160 side-stream us overlap; one on compute
-    got = overlap_of(_trace(tmp_path, copies, kernels))
-    assert got["compute_stream"] == 7 and got["side_copy_us"] == 160 and got["compute_stream_copy_us"] == 10
-    assert got["overlapped_share"] == pytest.approx(70 / 160) and got["ok"]
-    serial = overlap_of(_trace(tmp_path, [(7, 100, 150)], kernels))  # copies on the compute stream: no overlap
-    assert not serial["ok"] and serial["side_copy_us"] == 0
+def test_a_crashed_or_hung_stage_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setitem(gpu_check.TIMEOUTS, "data", 1)  # importing torch alone takes longer: killed
+    args = gpu_check.parse_args(["--dry", "--out", str(tmp_path / "out"), "--cache-dir", str(not_a_dir),
+                                 "--stages", "data,exact"])
+    code = gpu_check.check(args, ["--out", args.out, "--dry"])
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    data, exact = report["stages"]
+    assert data["status"] == "timed out" and "timed out after 1 s" in data["error"]
+    assert exact["status"] == "crashed" and exact["error"].startswith("exit code 1:")  # datasets cannot go in a file
+    assert code == gpu_check.EXIT_FAILED == report["exit_code"] and not report["ok"]
+    assert "| data | timed out |" in (tmp_path / "out" / "gpu_check.md").read_text()
 
 
-def test_report_table_lists_every_check_and_system():
-    report = {"date": "d", "device": "GPU", "tests": {"files": ["t.py"], "result": "3 passed"},
-              "exact": {"fp32 lookahead == device": True, "int8 lookahead run == run": False},
-              "overlap": {"ok": True, "overlapped_share": 0.5, "side_copy_us": 2000.0},
-              "speed": {"device": {"samples_per_second": 1000.0, "peak_device_bytes": 2**30,
-                                   "pageable_host_to_device_copies": 0},
-                        "host": {"samples_per_second": 250.0, "peak_device_bytes": 2**20,
-                                 "pageable_host_to_device_copies": 0}}}
-    table = markdown(report)
-    assert "| fp32 lookahead == device | ok |" in table and "| int8 lookahead run == run | FAILED |" in table
-    assert "| host | 250 | 0.25 | 1 MiB | 0 |" in table and "50% of 2.0 ms" in table
+def test_a_crash_of_the_check_itself_keeps_the_stages_done(tmp_path, monkeypatch):
+    calls = []
+
+    def run_stage(stage, *a):
+        calls.append(stage)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return {"name": stage, "status": "passed", "ok": True, "seconds": 1.0, "timeout_s": 5, "details": {}}
+
+    monkeypatch.setattr(gpu_check, "run_stage", run_stage)
+    args = gpu_check.parse_args(["--dry", "--out", str(tmp_path), "--stages", "data,exact,overlap"])
+    assert gpu_check.check(args, []) == gpu_check.EXIT_CRASHED
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [st["name"] for st in report["stages"]] == ["data"] and report["error"] == "OSError: disk full"
+    assert "INCOMPLETE" in (tmp_path / "gpu_check.md").read_text() and calls == ["data", "exact"]
+
+
+def test_unknown_stages_are_bad_input(tmp_path, capsys):
+    args = gpu_check.parse_args(["--dry", "--out", str(tmp_path), "--stages", "exact,speed"])
+    assert gpu_check.check(args, []) == gpu_check.EXIT_BAD_INPUT
+    assert "unknown stage(s) speed" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_check_refuses_clearly_without_cuda(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path)], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert done.returncode == 2 and "needs a CUDA device" in done.stderr and "Traceback" not in done.stderr
-    assert not list(tmp_path.iterdir())
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == gpu_check.EXIT_NO_CUDA and "needs a CUDA device" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def _event(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_overlap_counts_only_fill_copies_under_compute_kernels():
+    fill = gpu_check.FILL_RANGE
+    events = [
+        _event("kernel", "k", 0, 100, stream=7), _event("kernel", "k", 150, 150, stream=7),  # compute: stream 7
+        _event("kernel", "k", 0, 5, stream=9),
+        _event("user_annotation", fill, 10, 20, tid=2),  # the prefetcher thread's fill ranges
+        _event("user_annotation", fill, 390, 20, tid=2),
+        _event("cuda_runtime", "cudaMemcpyAsync", 12, 1, tid=2, correlation=1),
+        _event("cuda_runtime", "cudaMemcpyAsync", 395, 1, tid=2, correlation=2),
+        _event("cuda_runtime", "cudaMemcpyAsync", 15, 1, tid=3, correlation=3),  # the batch copier's thread
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 50, 120, stream=9, correlation=1),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 400, 40, stream=9, correlation=2),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 300, stream=11, correlation=3),
+    ]
+    got = gpu_check.fill_overlap(events)
+    # fills: 50..170 (50 + 20 us under kernels) and 400..440 (none); the batch copy is not a fill
+    assert got["fill_copies"] == 2 and got["fill_copy_us"] == 160 and got["compute_stream"] == 7
+    assert got["overlapped_share"] == pytest.approx(70 / 160) and got["ok"]
+    serial = gpu_check.fill_overlap([e for e in events if e["args"].get("correlation") != 1])
+    assert not serial["ok"] and serial["overlapped_share"] == 0.0  # a fill after compute overlaps nothing
+    unnamed = gpu_check.fill_overlap([e for e in events if e["name"] != fill])
+    assert not unnamed["ok"] and "no host-to-device copy" in unnamed["error"]  # other copies never count

@@ -134,8 +134,13 @@ def validate(cfg: SyntheticConfig) -> None:
     def bad(msg: str) -> None:
         raise UserError(f"synthetic config: {msg}")
 
+    for name in ("cardinality_scale", "zipf_exponent", "missing_rate", "session_mean_length", "session_repeat"):
+        if not math.isfinite(getattr(cfg, name)):
+            bad(f"{name} must be a finite number, got {getattr(cfg, name)}")
     if cfg.rows < 1:
         bad(f"rows must be >= 1, got {cfg.rows}")
+    if cfg.seed < 0:  # numpy's generators take non-negative seeds
+        bad(f"seed must be >= 0, got {cfg.seed}")
     if not cfg.cardinality_scale > 0:
         bad(f"cardinality_scale must be > 0, got {cfg.cardinality_scale}")
     if max(KAGGLE_CARDINALITIES) * cfg.cardinality_scale >= 2**31:  # ids are int32 in the generator
@@ -154,14 +159,16 @@ def validate(cfg: SyntheticConfig) -> None:
         bad(f"session_repeat must be in [0, 1], got {cfg.session_repeat}")
     if cfg.multi_hot_features < 0:
         bad(f"multi_hot_features must be >= 0, got {cfg.multi_hot_features}")
-    if cfg.multi_hot_features and cfg.multi_hot_vocab < 2:
+    if cfg.multi_hot_vocab < 2:
         bad(f"multi_hot_vocab must be >= 2, got {cfg.multi_hot_vocab}")
     if not 0 <= cfg.multi_hot_min_length <= cfg.multi_hot_max_length:
         bad(
             "need 0 <= multi_hot_min_length <= multi_hot_max_length, got "
             f"{cfg.multi_hot_min_length} and {cfg.multi_hot_max_length}"
         )
-    sh.ratio_ranges(1, cfg.split_ratios)  # validates the ratios
+    ratios = list(cfg.split_ratios)
+    if len(ratios) != 3 or not all(math.isfinite(r) and r >= 0 for r in ratios) or sum(ratios) <= 0:
+        bad(f"split_ratios must be three finite non-negative numbers (train, val, test), got {ratios}")
 
 
 def vocab_sizes(cfg: SyntheticConfig) -> list[int]:

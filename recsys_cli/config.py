@@ -14,6 +14,7 @@ without the schema.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -21,6 +22,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from data_tools.synthetic import SyntheticConfig
+from data_tools.synthetic import validate as validate_synthetic
 from recsys_cli.errors import UserError
 
 
@@ -273,6 +275,86 @@ CHOICES: dict[str, type[Choice]] = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """The numbers a key may hold: finite, at least `low` (above it when
+    `open_low`), at most `high`; None only where the key may be unset.
+    A list key's every element is checked."""
+
+    low: float
+    open_low: bool = False
+    high: float = math.inf
+    unset: bool = False  # None allowed (the key's default meaning)
+
+    def check(self, key: str, value: Any) -> None:
+        if value is None:
+            if not self.unset:
+                raise UserError(f"{key} must be set, got null")
+            return
+        if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
+            for v in value:
+                if not self.holds(v):
+                    raise UserError(f"{key} must hold numbers {self.words()}, got {list(value)}")
+            return
+        if not self.holds(value):
+            raise UserError(f"{key} must be {self.words()}{' (or unset)' if self.unset else ''}, got {value}")
+
+    def holds(self, value: float) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        return (value > self.low if self.open_low else value >= self.low) and value <= self.high
+
+    def words(self) -> str:
+        bound = f"> {self.low:g}" if self.open_low else f">= {self.low:g}"
+        if self.high == math.inf:
+            return bound
+        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}]"
+
+
+COUNT = Range(1)  # how many: at least one
+STEPS = Range(1, unset=True)  # every N steps / at most N steps; unset: never / no limit
+RATIO = Range(0, open_low=True, high=1)
+POSITIVE = Range(0, open_low=True)
+# Every int and float of the schema but dataset.synthetic.* (data_tools.synthetic.validate
+# checks those); tests/test_configs.py walks the schema and fails on a key missing here.
+RANGES: dict[str, Range] = {
+    "model.embedding_dim": COUNT,
+    "model.bottom_mlp": COUNT,
+    "model.top_mlp": COUNT,
+    "model.dcn_layers": COUNT,
+    "model.dcn_rank": COUNT,
+    "placement.cache_rows": Range(1, unset=True),
+    "placement.cache_ratio": RATIO,
+    "placement.window": COUNT,
+    "placement.device_max_rows": Range(0, unset=True),
+    "placement.host_cache_rows": Range(1, unset=True),
+    "placement.host_cache_ratio": RATIO,
+    "placement.disk_io_threads": COUNT,
+    "precision.cache_ratio": Range(0, open_low=True, high=1, unset=True),  # unset: the precision's default
+    "optimizer.lr": POSITIVE,
+    "optimizer.eps": POSITIVE,
+    "optimizer.initial_accumulator": Range(0),
+    "optimizer.warmup_steps": Range(0),
+    "optimizer.decay_start_step": Range(0, unset=True),
+    "optimizer.decay_steps": Range(0, unset=True),
+    "optimizer.decay_power": POSITIVE,
+    "optimizer.min_lr": Range(0),
+    "trainer.batch_size": COUNT,
+    "trainer.eval_batch_size": COUNT,
+    "trainer.epochs": COUNT,
+    "trainer.max_steps": STEPS,
+    "trainer.eval_every": STEPS,
+    "trainer.log_every": COUNT,
+    "trainer.checkpoint_every": STEPS,
+    "trainer.seed": Range(0),
+    "trainer.nproc": COUNT,
+    "trainer.sync_every": COUNT,
+    "trainer.dist_timeout": POSITIVE,  # seconds
+    "trainer.threads": Range(1, unset=True),  # unset: the cores left to compute (train/threads.py)
+    "trainer.loader_queue_depth": COUNT,
+}
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -288,29 +370,13 @@ def validate(cfg: Any) -> None:
     for name, kind in cfg.placement.overrides.items():
         if kind not in PLACEMENTS[:-1]:
             raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
-    positive = ["trainer.batch_size", "trainer.eval_batch_size", "trainer.epochs", "trainer.log_every",
-                "trainer.nproc", "trainer.sync_every", "placement.window", "placement.disk_io_threads",
-                "model.embedding_dim", "model.dcn_layers", "model.dcn_rank"]
-    for key in positive:
-        if _get(cfg, key) < 1:
-            raise UserError(f"{key} must be >= 1, got {_get(cfg, key)}")
-    if cfg.trainer.threads is not None and cfg.trainer.threads < 1:
-        raise UserError(f"trainer.threads must be >= 1 (or unset for the default), got {cfg.trainer.threads}")
-    if cfg.trainer.dist_timeout <= 0:
-        raise UserError(f"trainer.dist_timeout must be > 0 seconds, got {cfg.trainer.dist_timeout}")
-    if cfg.optimizer.lr <= 0:
-        raise UserError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    for key, allowed in RANGES.items():
+        allowed.check(key, _get(cfg, key))
+    validate_synthetic(cfg.dataset.synthetic)  # dataset.synthetic.*, before any work (also checked when generating)
     opt = cfg.optimizer
-    if opt.warmup_steps < 0 or (opt.decay_start_step or 0) < 0 or (opt.decay_steps or 0) < 0:
-        raise UserError("optimizer.warmup_steps, decay_start_step and decay_steps must be >= 0")
     if opt.decay_start_step is not None and opt.decay_start_step < opt.warmup_steps:
         raise UserError(f"optimizer.decay_start_step={opt.decay_start_step} is inside the warmup "
                         f"(optimizer.warmup_steps={opt.warmup_steps}): the decay starts after the warmup ends")
-    if opt.decay_power <= 0 or opt.min_lr < 0:
-        raise UserError(f"optimizer.decay_power must be > 0 and optimizer.min_lr >= 0, got "
-                        f"{opt.decay_power} and {opt.min_lr}")
-    if not 0 < cfg.placement.cache_ratio <= 1:
-        raise UserError(f"placement.cache_ratio must be in (0, 1], got {cfg.placement.cache_ratio}")
     if cfg.model.interaction == "dot" and cfg.model.bottom_mlp[-1] != cfg.model.embedding_dim:
         raise UserError(
             f"model.bottom_mlp ends in {cfg.model.bottom_mlp[-1]} but the dot interaction needs "

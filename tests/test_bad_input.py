@@ -361,6 +361,16 @@ def test_config_errors_exit_2_on_one_line(tmp_path, override, needle):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trainer.loader_queue_depth=0", "trainer.loader_queue_depth must be >= 1, got 0"),  # was a ValueError traceback
+    ("optimizer.lr=inf", "optimizer.lr must be > 0, got inf"),  # a non-finite rate: refused before any step
+])
+def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, message):
+    r = recsys("train", override, "trainer.progress=false", "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, message)
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
+
+
 def test_train_help_lists_only_train_groups(tmp_path):
     r = recsys("train", "--help", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -204,3 +204,69 @@ def test_counts_below_one_are_errors_naming_the_key(key):
     OmegaConf.update(cfg, key, 0)
     with pytest.raises(UserError, match=rf"^{re.escape(key)} must be >= 1, got 0$"):
         validate(cfg)
+
+
+# --- every number of the schema is checked -----------------------------------------------------
+def numeric_keys(schema=TrainConfig, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted key, int | float | list) of every number the schema holds, nested groups included."""
+    import dataclasses
+    import typing
+
+    keys = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint, key = hints[f.name], prefix + f.name
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+        if dataclasses.is_dataclass(base):
+            keys += numeric_keys(base, key + ".")
+        elif base in (int, float):
+            keys.append((key, base))
+        elif typing.get_origin(base) is list and typing.get_args(base)[0] in (int, float):
+            keys.append((key, list))
+    return keys
+
+
+def bad_values(kind: type, key: str) -> list:
+    if kind is list:
+        return [[-1]]
+    if kind is int:
+        return [-1]  # no count, size, step or seed of the schema is negative
+    finite = [float("nan"), -1.0]
+    return finite if key.startswith("dataset.synthetic.") else [*finite, float("inf")]
+
+
+NUMERIC_KEYS = numeric_keys()
+
+
+def test_the_schema_walk_finds_the_numbers():
+    keys = dict(NUMERIC_KEYS)
+    assert keys["trainer.loader_queue_depth"] is int and keys["precision.cache_ratio"] is float
+    assert keys["model.bottom_mlp"] is list and keys["dataset.synthetic.zipf_exponent"] is float
+    assert len(keys) > 40
+
+
+@pytest.mark.parametrize("key, kind", NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_every_numeric_key_refuses_a_bad_value_naming_the_key(key, kind):
+    """A new number in the schema without a check fails here."""
+    for value in bad_values(kind, key):
+        cfg = OmegaConf.structured(TrainConfig)
+        OmegaConf.update(cfg, key, value)
+        with pytest.raises(UserError) as e:
+            validate(cfg)
+        named = key.rpartition(".")[2] if key.startswith("dataset.synthetic.") else key  # "synthetic config: rows ..."
+        assert named in str(e.value), (key, value, str(e.value))
+
+
+@pytest.mark.parametrize("key, value", [("trainer.loader_queue_depth", 0), ("precision.cache_ratio", 0.0),
+                                        ("optimizer.lr", 0.0), ("optimizer.eps", 0.0), ("trainer.max_steps", 0),
+                                        ("placement.host_cache_ratio", 1.5)])
+def test_zero_and_out_of_range_values_are_refused(key, value):
+    cfg = OmegaConf.structured(TrainConfig)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(UserError, match=rf"^{re.escape(key)} must be "):
+        validate(cfg)
+
+
+def test_the_defaults_and_unset_optionals_pass():
+    validate(OmegaConf.structured(TrainConfig))  # every Optional number defaults to None or a valid value

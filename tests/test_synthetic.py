@@ -211,7 +211,7 @@ def test_tsv_plain_equals_gz(tmp_path):
 def test_bad_config_is_user_error(tmp_path):
     with pytest.raises(UserError, match="session_repeat"):
         generate(SyntheticConfig(rows=10, session_repeat=1.5), tmp_path / "x")
-    with pytest.raises(UserError, match="split ratios"):
+    with pytest.raises(UserError, match="split_ratios must be three"):
         generate(SyntheticConfig(rows=10, split_ratios=[0.5, 0.5]), tmp_path / "x")
     assert not (tmp_path / "x").exists()
 

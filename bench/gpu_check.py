@@ -162,7 +162,7 @@ def deterministic() -> None:
 
 
 def stage_data(args, out_dir: Path, cache_dir: Path) -> dict:
-    from recsys_cli.train.trainer import resolve_dataset
+    from recsys_cli.train.training_data import resolve_dataset
 
     s = sizes(args)
     made = []

@@ -52,11 +52,12 @@ def test_built_tables_do_not_depend_on_the_chunk_size(precision, rounding):
 
 
 _PEAK = textwrap.dedent("""
-    import json, resource, sys, torch
+    import json, sys, torch
     from omegaconf import OmegaConf
     from recsys_cli.config import PlacementConfig, PrecisionConfig
     from recsys_cli.embeddings.optim import RowOptimizer
     from recsys_cli.embeddings.placement import build_embeddings
+    from recsys_cli.train.memory import peak_rss_bytes
 
     torch.set_num_threads(1)
     kind, precision, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -66,9 +67,9 @@ _PEAK = textwrap.dedent("""
         return build_embeddings(["a", "b"], [n // 2, n - n // 2], 16, place, prec, RowOptimizer("sgd"),
                                 torch.device("cpu"), 0)
     build(200_000)  # every kernel and allocator pool warmed up
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss_bytes()
     emb = build(rows)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = peak_rss_bytes()
     print(json.dumps({"peak_growth": after - before, "bytes": emb.memory()}))
 """)
 

@@ -122,14 +122,15 @@ def test_a_full_disk_is_a_clear_error(tmp_path, monkeypatch):
 
 
 BUILD = textwrap.dedent("""
-    import resource, sys, torch
+    import sys, torch
     from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.train.memory import peak_rss_bytes
     from recsys_cli.embeddings.table_init import TableSpec
     spec = TableSpec("big", {rows}, {dim})
     torch.empty(1)  # torch's own start-up memory before the baseline
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss_bytes()
     store = DiskRowStore([spec], [0], {precision!r}, "stochastic", 0, 1, 0.0, {path!r}, host_cache_rows=1000)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    after = peak_rss_bytes()
     print(before, after, store.num_rows * store.record_bytes)
     print(f"peak RSS grew by {{after - before:,}} bytes for a {{store.num_rows * store.record_bytes:,}}-byte table",
           file=sys.stderr)

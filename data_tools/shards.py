@@ -236,8 +236,10 @@ class ShardWriter:
 class SplitWriter:
     """Routes rows, in global order, to the splits. `ranges` lists
     (split, start, end) row ranges covering [0, total) without overlap, e.g.
-    [("train", 0, b0), ("val", b0, b1), ("test", b1, total)]. Splits with zero
-    rows get no files but are in the result."""
+    [("train", 0, b0), ("val", b0, b1), ("test", b1, total)]. The splits are
+    train, val and test, or the ones `ranges` names when it names another
+    (split=none's one split, "all"). Splits with zero rows get no files but
+    are in the result."""
 
     def __init__(
         self,
@@ -252,9 +254,11 @@ class SplitWriter:
         self.root = Path(root)
         self.schema = schema
         self.ranges = list(ranges) if ranges is not None else None
+        named = list(dict.fromkeys(s for s, _, _ in self.ranges or ()))
+        names = SPLITS if set(named) <= set(SPLITS) else named
         self.writers = {
             s: ShardWriter(self.root, s, schema, row_group_rows, shard_rows, compression, session_column)
-            for s in SPLITS
+            for s in names
         }
         self.position = 0
 

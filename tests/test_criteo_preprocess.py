@@ -233,6 +233,18 @@ def test_ratio_split(tmp_path, rows):
     np.testing.assert_array_equal(split_index(out, "test"), np.arange(1350, 1500))
 
 
+@pytest.mark.parametrize("mode", [dict(spill=True), dict(spill=False), dict(hash_buckets=97)])
+def test_split_none_is_one_split_all_in_input_order(tmp_path, rows, mode):
+    """split=none (documented: one split, 'all'): vocabulary mode raised KeyError 'all'."""
+    raw = write_raw(tmp_path / "train.txt", rows)
+    m, out = run(tmp_path, raw, split="none", row_group_rows=64, shard_rows=128, block_size=4096, **mode)
+    assert {k: v.rows for k, v in m.splits.items()} == {"all": len(rows)}
+    np.testing.assert_array_equal(split_index(out, "all"), np.arange(len(rows)))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name in ("all", "train", "val", "test")) == ["all"]
+    for s in m.splits["all"].shards:
+        assert sha256_file(out / s.file) == s.sha256
+
+
 # --------------------------------------------------------------------------- hashing mode
 
 

@@ -8,7 +8,6 @@ returns rank 0's losses and weights, so the process start-up is paid once.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -213,15 +212,23 @@ def test_cache_avg_every_step_equals_grad_sync_under_sgd(runs):
 
 @pytest.mark.slow  # several processes
 def test_cache_avg_every_10_steps_drifts_a_little(runs):
-    got, ref = runs["cache_avg_10"], runs["lookahead"]
+    """README: larger sync_every values "trade accuracy for less communication".
+    Less communication: fewer syncs than sync_every=1. The trade is real (the
+    weights leave grad sync's trajectory by far more than sync_every=1's
+    rounding) and small: the weights within 5% of grad sync's (8.5e-3
+    measured), every step's loss within 1% (1.7e-3), the validation AUC within
+    0.005 (1e-4), i.e. the same model to a user."""
+    got, ref, every_step = runs["cache_avg_10"], runs["lookahead"], runs["cache_avg_1"]
     report = got["distributed"]
-    value = drift(got, ref)
+    value, exact = drift(got, ref), drift(every_step, ref)
     loss_gap = max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"]))
-    print(f"\ncache_avg sync_every=10: {report['syncs']} syncs, max relative weight drift from grad sync {value:.2e}, "
-          f"max relative loss gap {loss_gap:.2e}, val AUC {got['evals'][-2]['auc']:.4f} vs {ref['evals'][-2]['auc']:.4f}")
-    assert 0 < value < 0.5 and math.isfinite(value)
-    assert loss_gap < 0.05
-    assert STEPS // 10 <= report["syncs"]
+    auc, ref_auc = got["evals"][-2]["auc"], ref["evals"][-2]["auc"]
+    print(f"\ncache_avg sync_every=10: {report['syncs']} syncs, max relative weight drift from grad sync {value:.2e} "
+          f"(sync_every=1: {exact:.2e}), max relative loss gap {loss_gap:.2e}, val AUC {auc:.4f} vs {ref_auc:.4f}")
+    assert STEPS // 10 <= report["syncs"] < every_step["distributed"]["syncs"]
+    assert value > 100 * exact, (value, exact)
+    assert value < 0.05 and loss_gap < 0.01, (value, loss_gap)
+    assert abs(auc - ref_auc) < 0.005
 
 
 @pytest.mark.slow  # several processes

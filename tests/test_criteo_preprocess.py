@@ -24,7 +24,7 @@ from data_tools.manifest import CRITEO_SPARSE, FORMAT_VERSION, load_manifest, sh
 from recsys_cli.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-RECSYS = REPO / ".venv" / "bin" / "recsys"
+RECSYS = str(Path(sys.executable).with_name("recsys"))  # the entry point of the environment running the tests
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -485,11 +485,11 @@ def test_sigkill_mid_run_leaves_no_dataset_and_rerun_cleans_up(tmp_path, rows):
 def test_cli_end_to_end(tmp_path):
     env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
     raw = tmp_path / "raw.tsv.gz"
-    r = subprocess.run([str(RECSYS), "preprocess", "synthetic", "rows=3000", f"output={raw}", "format=tsv"],
+    r = subprocess.run([RECSYS, "preprocess", "synthetic", "rows=3000", f"output={raw}", "format=tsv"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "ds"
-    r = subprocess.run([str(RECSYS), "preprocess", "criteo", f"input={raw}", f"output={out}", "min_count=2",
+    r = subprocess.run([RECSYS, "preprocess", "criteo", f"input={raw}", f"output={out}", "min_count=2",
                         "split=ratios", "ratios=[0.5,0.25,0.25]"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -497,13 +497,13 @@ def test_cli_end_to_end(tmp_path):
     assert {k: v.rows for k, v in m.splits.items()} == {"train": 1500, "val": 750, "test": 750}
     assert m.options["min_count"] == 2
     assert "3,000 rows" in " ".join((r.stderr + r.stdout).split())
-    r = subprocess.run([str(RECSYS), "preprocess", "criteo", f"input={raw}", f"output={tmp_path / 'x'}",
+    r = subprocess.run([RECSYS, "preprocess", "criteo", f"input={raw}", f"output={tmp_path / 'x'}",
                         "minn_count=2"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode != 0
     err = " ".join(r.stderr.split())  # rich wraps long lines
     assert "unknown option 'minn_count'" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
-    r = subprocess.run([str(RECSYS), "preprocess", "criteo", f"input={tmp_path / 'none.txt'}",
+    r = subprocess.run([RECSYS, "preprocess", "criteo", f"input={tmp_path / 'none.txt'}",
                         f"output={tmp_path / 'x'}"], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=120)
     err = " ".join(r.stderr.split())

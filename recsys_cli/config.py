@@ -229,6 +229,9 @@ class TrainerConfig:
     device: DeviceChoice = DeviceChoice.auto
     seed: int = 0
     nproc: int = 1
+    # More processes than cores is refused (they only compete for the cores);
+    # true starts them anyway (train/distributed.check_process_count).
+    oversubscribe: bool = False
     embedding_sync: EmbeddingSyncMode = EmbeddingSyncMode.grad
     sync_every: int = 1
     # Seconds a collective may wait for its peers before the run fails

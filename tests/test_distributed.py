@@ -244,6 +244,50 @@ def test_cache_avg_needs_a_cache(cache_dir):
         Trainer(config(cache_dir, trainer__embedding_sync="cache_avg"))
 
 
+def test_more_processes_than_cores_is_refused_before_any_starts(tmp_path):
+    """trainer.nproc=64 on a small machine started 64 processes that grew past 4 GiB (issue 27)."""
+    from recsys_cli.train.threads import available_cores
+
+    many = available_cores() + 1
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([RECSYS, "train", *SMALL, f"trainer.nproc={many}", "trainer.device=cpu", "trainer.progress=false",
+                        "hydra.run.dir=run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert f"trainer.nproc={many} is more processes than the {many - 1} core(s)" in lines[0]
+    assert "trainer.oversubscribe=true" in lines[0]
+    assert not (tmp_path / "cache").exists()  # refused before the data was generated
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_process_count_check_cores_devices_and_torchrun(monkeypatch, tmp_path):
+    from recsys_cli.train import threads
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    for var in distributed.AGENT_ENV + ("LOCAL_WORLD_SIZE",):
+        monkeypatch.delenv(var, raising=False)
+    check = distributed.check_process_count
+    check(config(tmp_path, trainer__nproc=2, trainer__device="cpu"))  # as many as cores: fine
+    with pytest.raises(UserError, match=r"trainer.nproc=3 is more processes than the 2 core\(s\)"):
+        check(config(tmp_path, trainer__nproc=3, trainer__device="cpu"))
+    check(config(tmp_path, trainer__nproc=3, trainer__device="cpu", trainer__oversubscribe=True))  # forced
+    # Under torchrun the count is its --nproc-per-node, whatever trainer.nproc says.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserError, match=r"torchrun --nproc-per-node=4 is more processes than the 2 core"):
+        check(config(tmp_path, trainer__device="cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 8 ranks over 4 nodes of 2 cores
+    check(config(tmp_path, trainer__device="cpu"))
+    # CUDA: one process per device, oversubscribed or not.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"torchrun --nproc-per-node=2 but this machine has 1 CUDA device"):
+        check(config(tmp_path, trainer__device="cuda", trainer__oversubscribe=True))
+
+
 @pytest.mark.slow  # several processes
 def test_a_failing_rank_stops_the_run(cache_dir):
     start = time.perf_counter()

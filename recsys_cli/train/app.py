@@ -32,6 +32,7 @@ def train_main(cfg: DictConfig) -> float | None:
     _started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        distributed.check_process_count(cfg)  # before the run directory is made: nothing is written
         with contextlib.ExitStack() as locks:
             locks.enter_context(rundir.locked(run_dir))
             if cfg.trainer.checkpoint_dir and os.environ.get("RANK", "0") == "0":

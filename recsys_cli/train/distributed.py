@@ -266,6 +266,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_process_count(cfg) -> None:
+    """UserError when this machine would run more training processes than it
+    has cores (or, on CUDA, devices: one per process): 64 processes on 2 cores
+    only compete for them, and each holds its own tables (issue 27). The
+    count is trainer.nproc, or under torchrun its --nproc-per-node
+    (LOCAL_WORLD_SIZE). trainer.oversubscribe=true allows more processes
+    than cores (never more than devices: each rank selects its own)."""
+    from recsys_cli.train.threads import available_cores
+
+    tc = cfg.trainer
+    if launched_by_agent():
+        count, what = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), "torchrun --nproc-per-node"
+    else:
+        count, what = tc.nproc, "trainer.nproc"
+    if count <= 1:
+        return
+    device = str(tc.device)
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        devices = torch.cuda.device_count()
+        if count > devices:
+            raise UserError(f"{what}={count} but this machine has {devices} CUDA device(s): training runs one process "
+                            f"per device (give at most {devices}, or trainer.device=cpu)")
+        return
+    cores = available_cores()
+    if count > cores and not tc.oversubscribe:
+        raise UserError(f"{what}={count} is more processes than the {cores} core(s) this process may use: they would "
+                        f"only compete for them, each with its own copy of the tables (give at most {cores}, or "
+                        "trainer.oversubscribe=true to start them anyway)")
+
+
 def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1) -> dict[int, Any]:
     """Run entrypoint(*args) in `nproc` worker processes on this machine through
     torch's elastic launcher; returns {rank: return value}. A worker that raises

@@ -142,7 +142,9 @@ def test_phase_timer_on_the_host_clock_measures_wall_time():
     timer = PhaseTimer(torch.device("cpu"))
     with timer.phase("data_wait"):
         time.sleep(0.02)
-    assert 0.015 < timer.seconds["data_wait"] < 1.0
+    # at least the sleep; the upper bound only tells seconds from milliseconds
+    # (20 in ms) with room for a loaded machine that leaves the thread unscheduled
+    assert 0.015 < timer.seconds["data_wait"] < 10.0
 
 
 # --- batches to the device ----------------------------------------------------------

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 _CHILD = r"""
@@ -80,13 +81,15 @@ def main() -> None:
     args = ap.parse_args()
     overrides = ["model=dlrm_kaggle", f"dataset.synthetic.cardinality_scale={args.scale}",
                  f"dataset.synthetic.rows={args.rows}", "trainer.checkpoint_every=null",
-                 "trainer.progress=false", "hydra.run.dir=/tmp/recsys-startup-bench",
-                 *args.overrides]
-    subprocess.run([sys.executable, "-m", "recsys_cli", "train", *overrides, "trainer.max_steps=1"],
+                 "trainer.progress=false", *args.overrides]
+    # A fresh run directory per run: recsys refuses a second run into a directory that holds one.
+    scratch = tempfile.TemporaryDirectory(prefix="recsys-startup-bench-")
+    run_dir = lambda n: f"hydra.run.dir={scratch.name}/run-{n}"  # noqa: E731
+    subprocess.run([sys.executable, "-m", "recsys_cli", "train", *overrides, "trainer.max_steps=1", run_dir("data")],
                    check=True, capture_output=True)  # the dataset, generated once
     rows = []
-    for _ in range(args.repeat):
-        r = measure(overrides)
+    for n in range(args.repeat):
+        r = measure([*overrides, run_dir(n)])
         r["load average"] = os.getloadavg()[0]
         rows.append(r)
         print(json.dumps({k: round(v, 2) for k, v in r.items()}))

@@ -197,6 +197,32 @@ def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
 
 
+def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothing(tmp_path):
+    """hydra.run.dir=run twice, no resume: the second run replaced the first one's
+    checkpoints and metrics.jsonl without a word (issue 27)."""
+    data = tiny_dataset(tmp_path)
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    before = files_of(run)
+    before.pop(".lock")  # holds the pid of the last run that held the directory
+    assert "metrics.jsonl" in before and "checkpoints/latest.json" in before
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.seed=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert_user_error(r, f"run directory {run} holds another run (metrics.jsonl, summary.json, checkpoints/)",
+                      "resume it with trainer.resume=true, or choose another directory")
+    after = files_of(run)
+    after.pop(".lock")
+    assert after == before
+    # Its checkpoint directory, given to a new run elsewhere, is refused as well.
+    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, f"trainer.checkpoint_dir={run / 'checkpoints'}",
+               "hydra.run.dir=other", cwd=tmp_path)
+    assert_user_error(r, f"checkpoint directory {run / 'checkpoints'} holds another run's checkpoints")
+    after = files_of(run)
+    after.pop(".lock")
+    after.pop("checkpoints/.lock")  # the refused run held the checkpoint directory while it checked
+    assert after == before and not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
 # --- 6. metrics.jsonl after a resume ---------------------------------------------------------------------------------
 
 

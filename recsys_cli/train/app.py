@@ -37,6 +37,8 @@ def train_main(cfg: DictConfig) -> float | None:
             locks.enter_context(rundir.locked(run_dir))
             if cfg.trainer.checkpoint_dir and os.environ.get("RANK", "0") == "0":
                 locks.enter_context(rundir.locked(Path(cfg.trainer.checkpoint_dir), "checkpoint directory"))
+            if not cfg.trainer.resume:  # a new run: never over another run's metrics and checkpoints
+                rundir.refuse_reuse(run_dir, Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None)
             if _output_subdir is not None:
                 save_hydra_config(cfg, run_dir / _output_subdir)
             return _train(cfg, run_dir)

@@ -1,9 +1,14 @@
-"""One run per run directory: an exclusive lock, taken before anything is written.
+"""One run per run directory: an exclusive lock, taken before anything is
+written, and no new run into a directory that holds another run's record.
 
 Two `recsys train` in one run directory would interleave metrics.jsonl and mix
 their checkpoints. The lock is `fcntl.flock` on `<dir>/.lock`: the kernel drops
 it when the holder exits or dies, so a lock left by a killed run is stale by
 construction (the file stays, holding the last holder's pid for the message).
+
+A run that finished (or was killed) leaves metrics.jsonl, summary.json and
+checkpoints; a second run into the same directory without trainer.resume
+would replace them without a word, so `refuse_reuse` stops it first.
 """
 
 from __future__ import annotations
@@ -42,3 +47,30 @@ def locked(directory: Path, what: str = "run directory") -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+# What a run leaves that a new run would overwrite: its metrics, its summary, its checkpoints.
+RECORDS = ("metrics.jsonl", "summary.json")
+CHECKPOINTS = ("latest.json", "step-*.pt")
+
+
+def holds_checkpoints(directory: Path) -> bool:
+    return any(any(directory.glob(pattern)) for pattern in CHECKPOINTS)
+
+
+def refuse_reuse(run_dir: Path, checkpoint_dir: Path | None) -> None:
+    """UserError when a new run (no trainer.resume) would write into a run
+    directory, or a checkpoint directory, that another run's record is in."""
+    checkpoint_dir = checkpoint_dir or run_dir / "checkpoints"
+    # An empty metrics.jsonl is a run that failed before its first log line: nothing to lose.
+    found = [name for name in RECORDS if (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0]
+    checkpoints = holds_checkpoints(checkpoint_dir)
+    if found:
+        held = found + ([checkpoint_dir.name + "/"] if checkpoints and checkpoint_dir.parent == run_dir else [])
+        what = f"run directory {run_dir} holds another run ({', '.join(held)})"
+    elif checkpoints:
+        what = f"checkpoint directory {checkpoint_dir} holds another run's checkpoints"
+    else:
+        return
+    raise UserError(f"{what}: resume it with trainer.resume=true, or choose another directory "
+                    "(hydra.run.dir=DIR); nothing was changed")

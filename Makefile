@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify bench bench-soak bench-headline bench-peers peers-setup gpu-check clean
+.PHONY: setup train test verify bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -43,9 +43,32 @@ bench-headline: setup
 	$(BIN)/python -m bench.headline --record $(ARGS)
 
 # The device check (README, GPU): tests on CUDA, exactness and determinism on
-# CUDA, placement timings and prefetch overlap; needs one CUDA GPU, ~8 minutes.
-gpu-check: setup
-	$(BIN)/python -m bench.gpu_check $(ARGS)
+# CUDA, placement timings and prefetch overlap; one CUDA GPU, ~4 minutes.
+# It runs in its own venv on the machine's torch (PYTHON: the Python whose
+# torch is built for its CUDA, >= 2.11), installed offline from wheels/, which
+# `make gpu-wheels` fills where there is network (bench/gpu_env.py).
+PYTHON ?= python3
+GPU_VENV ?= .venv-gpu
+WHEELS ?= wheels
+WHEEL_TOOLS := .venv-wheels
+# PyYAML's compiled wheels are fetched for each (0.8 MB each): narrow these to
+# the box's Python and platform for a smaller folder.
+GPU_PYTHONS ?= 3.10,3.11,3.12,3.13,3.14
+GPU_PLATFORMS ?= manylinux2014_x86_64,manylinux2014_aarch64
+
+gpu-wheels:
+	$(PY) -m venv $(WHEEL_TOOLS)
+	$(WHEEL_TOOLS)/bin/python bench/gpu_env.py wheels --dir $(WHEELS) --python-versions $(GPU_PYTHONS) --platforms $(GPU_PLATFORMS)
+
+gpu-env:
+	$(PYTHON) bench/gpu_env.py install --venv $(GPU_VENV) --wheels $(WHEELS)
+
+gpu-check: gpu-env
+	$(GPU_VENV)/bin/python -m bench.gpu_check $(ARGS)
+
+# The same check with every stage on CPU at tiny sizes (tests/test_gpu_env.py runs it).
+gpu-check-dry: gpu-env
+	$(GPU_VENV)/bin/python -m bench.gpu_check --dry $(ARGS)
 
 # The peer benchmark (BENCHMARKS.md, "Peers"): recsys against FBGEMM's TBE +
 # TorchRec's DLRM dense arch and plain nn.EmbeddingBag, in one process. Its
@@ -75,4 +98,4 @@ bench-peers: peers-setup
 	$(PEERS_BIN)/python -m bench.peers.ab $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) outputs multirun .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(GPU_VENV) $(WHEEL_TOOLS) outputs multirun .pytest_cache

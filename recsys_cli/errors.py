@@ -9,7 +9,7 @@ import sys
 
 from data_tools.errors import UserError, write_error
 
-__all__ = ["UserError", "fail", "write_error"]
+__all__ = ["UserError", "fail", "warn", "write_error"]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -20,3 +20,11 @@ def fail(message: str, code: int = 2) -> None:
     # soft_wrap: one line whatever the terminal width (scripts grep it)
     Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def warn(message: str) -> None:
+    """Print `warning: message` on stderr as one line: the run goes on."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)

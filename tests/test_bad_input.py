@@ -481,32 +481,130 @@ def test_disk_full_in_preprocess_leaves_the_old_dataset(tmp_path, monkeypatch, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "raw.tsv"]
 
 
+class FillsUp:
+    """A checkpoint file whose disk fills up after `room` bytes: writes past
+    them raise ENOSPC, as a full disk's write does, under torch's own writer."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if self.f.tell() + len(data) > self.room:
+            self.f.write(bytes(data)[: max(0, self.room - self.f.tell())])
+            enospc()
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch):
+    """torch.save into a full disk raises RuntimeError, not OSError: it was a
+    traceback (exit 1) and left the .tmp file on the full disk (issue 27)."""
+    import builtins
+
     from recsys_cli.errors import UserError
     from recsys_cli.train import checkpoint
     from recsys_cli.train.trainer import Trainer
 
     data = tiny_dataset(tmp_path)
     ck = tmp_path / "ck"
-    real = torch.save
-    calls = []
+    real_open = builtins.open
+    opened = []
 
-    def save_then_fill_the_disk(state, f):
-        calls.append(f)
-        if len(calls) == 2:
-            Path(f).write_bytes(b"half a checkpoint")
-            enospc()
-        real(state, f)
+    def open_on_a_filling_disk(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if str(file).endswith(".pt.tmp"):
+            opened.append(file)
+            if len(opened) == 2:  # the second checkpoint: the disk fills 1 KiB into it
+                return FillsUp(f, 1024)
+        return f
 
-    monkeypatch.setattr(checkpoint.torch, "save", save_then_fill_the_disk)
+    monkeypatch.setattr(checkpoint, "open", open_on_a_filling_disk, raising=False)
     cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
                  trainer__checkpoint_every=4, trainer__checkpoint_dir=str(ck))
-    with pytest.raises(UserError, match=rf"cannot write {ck}/step-00000008.pt: no space left on device; the last good "
-                                        rf"checkpoint, {ck}/step-00000004.pt, is kept"):
+    with pytest.raises(UserError) as error:
         Trainer(cfg, run_dir=tmp_path / "run").fit()
-    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]
+    first_size = (ck / "step-00000004.pt").stat().st_size
+    message = str(error.value)
+    assert message.startswith(f"cannot write {ck}/step-00000008.pt: no space left on device; a checkpoint needs about "
+                              f"{first_size / 2**20:,.1f} MiB in {ck} (")
+    assert message.endswith(f"MiB free); the last good checkpoint, {ck}/step-00000004.pt, is kept")
+    assert "\n" not in message
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]  # no .tmp left
     assert json.loads((ck / "latest.json").read_text())["step"] == 4
     torch.load(ck / "step-00000004.pt", weights_only=False)  # whole
+
+
+FULL_AT_THE_SECOND_CHECKPOINT = """
+import resource, signal, sys
+sys.argv = ["recsys", "train", *sys.argv[1:]]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the file-size limit a write fails, as on a full disk
+from recsys_cli.train import checkpoint
+save = checkpoint.save_checkpoint
+def save_on_a_filling_disk(directory, step, state, *args, **kwargs):
+    if step > 4:  # the disk fills: no file may grow past 4 KiB from now on
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 12, resource.RLIM_INFINITY))
+    return save(directory, step, state, *args, **kwargs)
+checkpoint.save_checkpoint = save_on_a_filling_disk
+from recsys_cli.cli import main
+main()
+"""
+
+
+def test_a_failed_checkpoint_write_is_one_line_exit_2_and_leaves_no_tmp(tmp_path):
+    """A real failed write (the kernel refuses it: a file-size limit) at the second
+    checkpoint of a CLI run: one line naming the file and the space, exit 2."""
+    data = tiny_dataset(tmp_path)
+    r = subprocess.run([sys.executable, "-c", FULL_AT_THE_SECOND_CHECKPOINT, f"dataset.path={data}", *TINY_TRAIN,
+                        "trainer.max_steps=8", "trainer.checkpoint_every=4", "hydra.run.dir=run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    ck = tmp_path / "run" / "checkpoints"
+    line = assert_user_error(r, f"cannot write {ck / 'step-00000008.pt'}: File too large; a checkpoint needs about",
+                             f"the last good checkpoint, {ck / 'step-00000004.pt'}, is kept")
+    assert "Error executing job" not in r.stderr, line
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]
+    assert json.loads((ck / "latest.json").read_text())["step"] == 4
+
+
+def test_a_damaged_latest_json_falls_back_to_the_newest_checkpoint(tmp_path, capsys):
+    """A truncated latest.json was a JSONDecodeError traceback on resume (issue 27)."""
+    from recsys_cli.errors import UserError
+    from recsys_cli.train import checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    ck = tmp_path / "ck"
+    common = dict(optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__checkpoint_every=4,
+                  trainer__checkpoint_dir=str(ck))
+    Trainer(config(tmp_path, trainer__max_steps=8, **common), run_dir=tmp_path / "run").fit()
+    full = Trainer(config(tmp_path, trainer__max_steps=10, **{**common, "trainer__checkpoint_dir": str(tmp_path / "ck2")}),
+                   run_dir=tmp_path / "run_full")  # the uninterrupted run
+    full.fit()
+    latest = ck / "latest.json"
+    latest.write_text(latest.read_text()[:9])  # truncated
+    capsys.readouterr()
+    assert checkpoint.find_checkpoint(ck) == ck / "step-00000008.pt"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {latest} is damaged; using the newest complete "
+                                                    f"checkpoint, {ck / 'step-00000008.pt'}")
+    resumed = Trainer(config(tmp_path, trainer__max_steps=10, trainer__resume="true", **common), run_dir=tmp_path / "run")
+    assert resumed.step == 8
+    resumed.fit()
+    for k, v in full.model.state_dict().items():  # the resumed run ends where the uninterrupted one does
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+    # No complete checkpoint beside it: one line naming the file.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "latest.json").write_text('{"fi')
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'empty' / 'latest.json'} is damaged, and "
+                                        rf"{tmp_path / 'empty'} holds no other checkpoint \(step-\*\.pt\)$"):
+        checkpoint.find_checkpoint(tmp_path / "empty")
 
 
 def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):

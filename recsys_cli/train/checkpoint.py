@@ -2,7 +2,11 @@
 
 A checkpoint is one file, step-NNNNNNNN.pt, written to a temporary name and
 renamed; latest.json (also renamed into place) names the newest. A run
-killed at any moment leaves the previous checkpoint intact. Tables on disk
+killed at any moment leaves the previous checkpoint intact; a write that
+fails (a full disk) removes its temporary file and names the space it
+needed. A damaged latest.json (truncated by a full disk or a crash) is not
+trusted: the newest step-*.pt, complete since it was renamed into place
+whole, is used instead, and a warning says so. Tables on disk
 write their own files first (a base and deltas of changed rows, see
 embeddings/disk_checkpoint.py; step-NNNNNNNN.files.json lists them).
 """
@@ -11,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table, write_files_list
-from recsys_cli.errors import UserError, write_error
+from recsys_cli.errors import UserError, warn, write_error
 
 LATEST = "latest.json"
 
@@ -30,20 +35,28 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     try:
         directory.mkdir(parents=True, exist_ok=True)
         state, disk_tables = _save_disk_tables(directory, step, state, path)
-        torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
+        # Through a file object: torch's writer then calls its write, and a
+        # failed write's OSError (ENOSPC) is kept as the context of the
+        # RuntimeError torch raises (given a path, torch says only
+        # "basic_ios::clear: iostream error").
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         writing = directory / LATEST
         latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
         os.replace(latest_tmp, directory / LATEST)
-    except OSError as e:  # a full disk: the previous checkpoint and latest.json stay as they were
+    except BaseException as e:  # the previous checkpoint and latest.json stay as they were
+        written = tmp.stat().st_size if tmp.is_file() else 0
         tmp.unlink(missing_ok=True)
         latest_tmp.unlink(missing_ok=True)
-        kept = directory / LATEST
-        then = (f"the last good checkpoint, {directory / json.loads(kept.read_text())['file']}, is kept"
-                if kept.is_file() else "no earlier checkpoint exists")
-        raise write_error(writing, e, then) from None
+        failed = _os_error(e)
+        if failed is None:
+            raise
+        kept = newest_checkpoint(directory)
+        then = f"the last good checkpoint, {kept}, is kept" if kept is not None else "no earlier checkpoint exists"
+        raise write_error(writing, failed, f"{_space_needed(directory, kept, written)}; {then}") from None
     for table in disk_tables:  # the checkpoint is in place: disk chains continue from it
         table.committed()
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
@@ -51,6 +64,56 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     if disk_tables or (directory / "disk").is_dir():
         collect_garbage(directory)
     return path
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `e` itself, or the one torch's
+    writer raised inside (a RuntimeError whose context it is); None for any
+    other failure (a bug: re-raised as it is)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _space_needed(directory: Path, previous: Path | None, written: int) -> str:
+    """How much the checkpoint needs beside what the disk has free: the size
+    of the previous checkpoint (the next is about as large), else at least
+    what was written before the failure."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    if previous is not None and previous.is_file():
+        need = f"about {max(previous.stat().st_size, written) / 2**20:,.1f} MiB"
+    else:
+        need = f"more than {written / 2**20:,.1f} MiB"
+    return f"a checkpoint needs {need} in {directory} ({free})"
+
+
+def read_latest(directory: Path) -> dict | None:
+    """latest.json's record ({"file", "step"}); None when it is missing or
+    damaged (not JSON, or without the keys)."""
+    try:
+        record = json.loads((Path(directory) / LATEST).read_text())
+        if isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("step"), int):
+            return record
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return None
+
+
+def newest_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint latest.json names, else the newest step-*.pt (each is
+    renamed into place only once it is written whole); None if there is none."""
+    directory = Path(directory)
+    record = read_latest(directory)
+    if record is not None and (directory / record["file"]).is_file():
+        return directory / record["file"]
+    found = sorted(directory.glob("step-*.pt"))
+    return found[-1] if found else None
 
 
 def _save_disk_tables(directory: Path, step: int, state: dict, path: Path) -> tuple[dict, list]:
@@ -75,9 +138,16 @@ def find_checkpoint(location: str | Path) -> Path:
         return location
     latest = location / LATEST
     if latest.is_file():
-        path = location / json.loads(latest.read_text())["file"]
-        if path.is_file():
+        record = read_latest(location)
+        path = location / record["file"] if record is not None else None
+        if path is not None and path.is_file():
             return path
+        found = newest_checkpoint(location)
+        problem = f"{latest} is damaged" if record is None else f"{latest} names {path}, which does not exist"
+        if found is None:
+            raise UserError(f"{problem}, and {location} holds no other checkpoint (step-*.pt)")
+        warn(f"{problem}; using the newest complete checkpoint, {found}")
+        return found
     raise UserError(f"no checkpoint at {location} (expected a .pt file or a directory with {LATEST})")
 
 

@@ -13,7 +13,6 @@ loop, its evaluation, checkpoints and the run's summary belong together.)
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -313,9 +312,9 @@ class Trainer:
 
     def check_finite(self, loss: float) -> None:
         if not math.isfinite(loss):
-            latest = self.checkpoint_dir / ckpt.LATEST if self.checkpoint_dir else None
-            if latest is not None and latest.is_file():
-                step = json.loads(latest.read_text())["step"]
+            record = ckpt.read_latest(self.checkpoint_dir) if self.checkpoint_dir else None
+            if record is not None:
+                step = record["step"]
                 where = (f"; the last good checkpoint (step {step}) is in {self.checkpoint_dir}: "
                          "resume with trainer.resume=true")
             else:

@@ -20,6 +20,7 @@ the precision and the dataset vocabulary's fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ def export(cfg: ExportConfig, console=None) -> dict:
     require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
     if cfg.precision not in INFERENCE_PRECISIONS:
         raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
-    loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
+    with _phase(console, f"export: loading {cfg.checkpoint}"):
+        loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
     multi_hot = _multi_hot(loaded)
     if multi_hot:
         raise UserError(f"export scores one-hot features only; {loaded.checkpoint} has multi-hot features "
@@ -86,7 +88,8 @@ def export(cfg: ExportConfig, console=None) -> dict:
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}.pt2"
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model.pt2)")
-    program = export_program(loaded)
+    with _phase(console, "export: tracing the model (torch.export)"):
+        program = export_program(loaded)
     meta = {
         "format": "recsys export 1",
         "inputs": {"dense": "float32 [B, 13]: log(1 + max(x, 0)) of I1..I13, missing -> 0",
@@ -110,7 +113,8 @@ def export(cfg: ExportConfig, console=None) -> dict:
     tmp_dir.mkdir(exist_ok=True)
     tmp = tmp_dir / (output.stem + ".pt2")
     try:
-        torch.export.save(program, tmp, extra_files={METADATA: json.dumps(meta)})
+        with _phase(console, f"export: writing {output}"):
+            torch.export.save(program, tmp, extra_files={METADATA: json.dumps(meta)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, output)
@@ -121,6 +125,14 @@ def export(cfg: ExportConfig, console=None) -> dict:
     console.print(f"[bold]export[/]: {output} ({size / 2**20:,.2f} MiB; tables {cfg.precision} "
                   f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with torch.export.load(path).module()")
     return {"output": str(output), "bytes": size, **meta}
+
+
+def _phase(console, what: str):
+    """A spinner saying what the export is doing on a terminal; a line in a log."""
+    if console.is_terminal:
+        return console.status(what)
+    console.print(what, soft_wrap=True, markup=False)
+    return contextlib.nullcontext()
 
 
 def _multi_hot(loaded) -> list[str]:

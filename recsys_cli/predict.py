@@ -212,19 +212,26 @@ class PredictionWriter:
 
 
 class RowProgress:
-    """A rich bar over rows (dataset input) or input bytes (raw input)."""
+    """A rich bar over rows (dataset input) or input bytes (raw input) on a
+    terminal; elsewhere (a batch job's log) a line at every tenth of the way."""
 
     def __init__(self, enabled: bool, total: int, unit: str) -> None:
         self.bar = None
+        self.console = None
         self.rows = 0
+        self.done = 0
+        self.total = total
+        self.unit = unit
+        self.next_line = 0.1
         self.t0 = time.perf_counter()
         if not enabled:
             return
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=True)
+        console = Console(stderr=True, highlight=False)
         if not console.is_terminal:
+            self.console = console
             return
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.fields[rows]:>12,} rows  {task.fields[rate]:>9,.0f} rows/s"),
@@ -242,9 +249,19 @@ class RowProgress:
 
     def advance(self, rows: int, amount: int | None = None) -> None:
         self.rows += rows
+        self.done += rows if amount is None else amount
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        rate = self.rows / elapsed
         if self.bar is not None:
-            rate = self.rows / max(time.perf_counter() - self.t0, 1e-9)
             self.bar.update(self.task, advance=rows if amount is None else amount, rows=self.rows, rate=rate)
+        elif self.console is not None and self.total > 0 and self.done >= self.next_line * self.total:
+            from recsys_cli.train.run_log import duration
+
+            share = min(self.done / self.total, 1.0)
+            self.next_line = (int(share * 10) + 1) / 10
+            eta = elapsed / share * (1 - share)
+            self.console.print(f"scoring: {100 * share:.0f} % of the {self.unit}, {self.rows:,} rows, {rate:,.0f} rows/s, "
+                               f"elapsed {duration(elapsed)} ETA {duration(eta)}", soft_wrap=True, markup=False)
 
 
 # --------------------------------------------------------------------------- the command

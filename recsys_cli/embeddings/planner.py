@@ -306,7 +306,9 @@ class PlacementPlan:
         return {"placements": self.placements, "precisions": precisions, "cache_rows": cache_rows}
 
     def table(self):
-        """A rich Table: one row per table, totals in the caption."""
+        """A rich Table: one row per table, totals in the caption. Each
+        table's reason is not a column (at 80 columns it wrapped to a few
+        characters a line): why_lines() gives them, one line each, to print below."""
         from rich.table import Table
 
         table = Table(
@@ -315,16 +317,15 @@ class PlacementPlan:
             header_style="bold",
         )
         for name, justify in (("table", "left"), ("rows", "right"), ("placement", "left"), ("precision", "left"),
-                              ("cache rows", "right"), ("device", "right"), ("host", "right"), ("why", "left")):
-            table.add_column(name, justify=justify, overflow="fold", ratio=4 if name == "why" else None,
-                             no_wrap=name != "why", min_width=24 if name == "why" else None)
+                              ("cache rows", "right"), ("device", "right"), ("host", "right")):
+            table.add_column(name, justify=justify, no_wrap=True)
         for name, placement in self.placements.items():
             b = self.table_bytes.get(name, {})
             table.add_row(
                 name, f"{self.num_rows.get(name, 0):,}", placement,
                 "fp32" if placement == "device" else self.precision,
                 f"{self.cache_rows[name]:,}" if name in self.cache_rows else "-",
-                format_bytes(b.get("device")), format_bytes(b.get("host")), self.reasons.get(name, ""),
+                format_bytes(b.get("device")), format_bytes(b.get("host")),
             )
         table.caption = (
             f"device {format_bytes(self.expected_bytes['device'])}, host {format_bytes(self.expected_bytes['host'])}; "
@@ -335,6 +336,10 @@ class PlacementPlan:
                               f"one of {self.cache_rows_of('disk'):,} rows, within the "
                               f"{format_bytes(self.host_budget_bytes)} host budget")
         return table
+
+    def why_lines(self) -> list[str]:
+        """Why each table went where it did, one line per table (each reason names its table)."""
+        return [f"  why {self.reasons[name]}" for name in self.placements if self.reasons.get(name)]
 
 
 def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state: int, policy: str,

@@ -15,7 +15,10 @@ from rich.console import Console
 from recsys_cli.config import register_configs
 from recsys_cli.config_groups import group_overrides
 from recsys_cli.errors import UserError, fail, write_error
-from recsys_cli.train import distributed, rundir
+from recsys_cli.train import rundir
+
+# Nothing here imports torch at module level: a bad config is reported
+# before the heavy modules load (check_overrides validates it first).
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
@@ -63,6 +66,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     from recsys_cli.train.progress import summary_table
     from recsys_cli.train.trainer import Trainer
 
+    from recsys_cli.train import distributed
+
     console = Console()
     if cfg.trainer.nproc > 1 or distributed.launched_by_agent():  # several processes (torchrun, or spawned here)
         from recsys_cli.train.distributed_app import train_app
@@ -87,7 +92,7 @@ def check_overrides(overrides: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from recsys_cli.compose_errors import one_line
-    from recsys_cli.config import TrainConfig
+    from recsys_cli.config import TrainConfig, validate
 
     plain = [o for o in overrides if o not in ("-m", "--multirun")]
     if any(o.startswith("-") for o in plain):
@@ -105,6 +110,7 @@ def check_overrides(overrides: list[str]) -> None:
     extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
+    validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
 
 
 def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
@@ -129,6 +135,8 @@ def run_train_app(overrides: list[str]) -> None:
     check_overrides(overrides)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
     global _output_subdir
+    from recsys_cli.train import distributed  # torch: after the config is known to be good
+
     overrides = distributed.follower_overrides(overrides)
     for o in overrides:
         if o.lstrip("+").startswith("hydra.output_subdir="):

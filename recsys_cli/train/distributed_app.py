@@ -52,12 +52,18 @@ def _train_or_user_error(cfg, run_dir: Path | None) -> tuple[dict | None, UserEr
 
 
 @record
-def worker_main(cfg_container: dict, run_dir: str | None) -> float | None:
-    """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`."""
+def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | None = None) -> float | None:
+    """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`.
+    Rank 0 sets up the Hydra job's logging (its progress lines go to the
+    run's app.log, as in one process); spawned workers do not inherit it."""
+    import logging.config
+
     from omegaconf import OmegaConf
 
     from recsys_cli.config import TrainConfig, register_configs
 
+    if job_logging and os.environ.get("RANK") == "0":
+        logging.config.dictConfig(job_logging)
     register_configs()
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
     summary = train(cfg, Path(run_dir) if run_dir else None)
@@ -93,10 +99,13 @@ def train_app(cfg, run_dir: Path) -> float | None:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     container = OmegaConf.to_container(cfg, resolve=True)
+    from hydra.core.hydra_config import HydraConfig
+
+    job_logging = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
     from torch.distributed.elastic.multiprocessing import SignalException
 
     try:
-        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir))
+        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir), job_logging)
     except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
         err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
         sys.exit(130)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -13,12 +15,15 @@ class TrainProgress:
     def __init__(self, total: int, done: int, enabled: bool = True, console: Console | None = None) -> None:
         self.enabled = enabled
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:,.0f} samples/s"),
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), TimeRemainingColumn(),
             console=console, disable=not enabled, transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, completed=done, loss=float("nan"), rate=0.0)
+        self.task = self.progress.add_task("train", total=total, completed=done, info=self.info(float("nan"), 0.0))
+
+    @staticmethod
+    def info(loss: float, rate: float) -> str:
+        return f"loss {loss:.4f} {rate:,.0f} samples/s"
 
     def __enter__(self) -> "TrainProgress":
         self.progress.__enter__()
@@ -28,7 +33,20 @@ class TrainProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, loss: float, rate: float) -> None:
-        self.progress.update(self.task, completed=step, loss=loss, rate=rate)
+        self.progress.update(self.task, completed=step, info=self.info(loss, rate))
+
+    @contextmanager
+    def evaluation(self, split: str, batches: int):
+        """A second bar while a split is scored, removed when it is done;
+        yields the function to call after each batch."""
+        if not self.enabled:
+            yield lambda: None
+            return
+        task = self.progress.add_task(f"eval {split}", total=batches, info="")
+        try:
+            yield lambda: self.progress.advance(task)
+        finally:
+            self.progress.remove_task(task)
 
 
 def summary_table(summary: dict) -> Table:

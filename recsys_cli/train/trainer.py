@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from recsys_cli.train.loggers import make_log
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
 from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
+from recsys_cli.train.run_log import RunLog, StepLines
 from recsys_cli.train.schedule import LRSchedule
 from recsys_cli.train.threads import compute_threads
 from recsys_cli.train.throughput import ThroughputMeter
@@ -63,7 +65,9 @@ class Trainer:
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
         self.plan = auto_placement(cfg, data, row_optimizer) if cfg.placement.kind == "auto" else None
         if self.plan is not None and self.console is not None:
-            self.console.print(self.plan.table(), width=max(self.console.width, 140))
+            self.console.print(self.plan.table())
+            for line in self.plan.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
+                self.console.print(line, soft_wrap=True, highlight=False)
         self.runtime = runtime_for(self.device)
         # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
         embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
@@ -126,6 +130,9 @@ class Trainer:
         self.timer = PhaseTimer(self.device, self.runtime)
         self.rss = RSSTrace()  # summary.json's memory: RSS at every log step
         self.log = make_log(tc.logger, run_dir, self.dist.is_main)
+        # Lines for batch jobs: to the job log file, and to stdout when it is no terminal (run_log.py).
+        self.run_log = RunLog(console if tc.progress else None, enabled=self.dist.is_main)
+        self.progress: TrainProgress | None = None
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0
         self.epoch = 0
@@ -161,7 +168,10 @@ class Trainer:
 
     def _fit(self) -> dict:
         tc = self.cfg.trainer
-        progress = TrainProgress(self.total_steps, self.step, enabled=tc.progress and self.dist.is_main, console=self.console)
+        # The bar on a terminal; elsewhere the run log's lines say the same (run_log.py).
+        bar = tc.progress and self.dist.is_main and (self.console is None or self.console.is_terminal)
+        self.progress = progress = TrainProgress(self.total_steps, self.step, enabled=bar, console=self.console)
+        lines = StepLines(self.run_log, self.total_steps, self.step)
         last_log = time.perf_counter()
         start = time.perf_counter()
         self.throughput = ThroughputMeter(self.total_steps - self.step, sync=self.runtime.current_stream().synchronize)
@@ -189,6 +199,7 @@ class Trainer:
                         self.log.write(self.step_record(mean_loss, rate))
                         self.rss.sample(self.step)
                         progress.update(self.step, mean_loss, rate)
+                        lines.step(self.step, self.epoch, mean_loss, rate)
                         self.running_loss.zero_()
                         self.running_steps, last_log = 0, now
                     if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
@@ -202,15 +213,16 @@ class Trainer:
                     if self.step >= self.total_steps:
                         batches.close()
                         break
-        self.throughput.end_training(self.samples)
-        self.train_seconds += time.perf_counter() - start
-        # The trained model is saved before the final evaluation: an evaluation
-        # that fails (a damaged val/test shard) never costs the training.
-        if self.checkpoint_dir is not None and self.saved_step != self.step and tc.final_checkpoint:
-            with self.throughput.paused("checkpoint"):
-                self.save()
-        with self.throughput.paused("eval"):
-            final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
+            self.throughput.end_training(self.samples)
+            self.train_seconds += time.perf_counter() - start
+            # The trained model is saved before the final evaluation: an evaluation
+            # that fails (a damaged val/test shard) never costs the training.
+            if self.checkpoint_dir is not None and self.saved_step != self.step and tc.final_checkpoint:
+                with self.throughput.paused("checkpoint"):
+                    self.save()
+            with self.throughput.paused("eval"):
+                final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
+        self.progress = None
         return self.summary(final)
 
     def step_record(self, loss: float, rate: float) -> dict:
@@ -341,17 +353,24 @@ class Trainer:
         return_free_memory()
         predictions = SplitPredictions(loader.num_rows)  # this rank's share is at most the split
         self.strategy.before_eval()
-        with self.timer.phase("eval"):
+        bar = self.progress.evaluation(split, loader.num_batches) if self.progress else nullcontext(lambda: None)
+        with self.timer.phase("eval"), bar as advance:
             for batch in self.strategy.eval_batches(loader):
                 batch = self.to_device(batch)
                 predictions.add(self.model(batch), batch.labels)
+                advance()
         self.model.train()
         return_free_memory()  # the batches' pages, before the metrics sort the split
         # The whole split: every rank's predictions.
         return self.strategy.gather_predictions(*predictions.result())
 
     def evaluate_and_log(self, split: str) -> dict:
+        rows = self.eval_loaders[split].num_rows
+        self.run_log.line(f"eval {split} at step {self.step}: {rows:,} rows")
+        started = time.perf_counter()
         result = self.evaluate(split)
+        self.run_log.line(f"eval {split} at step {self.step}: AUC {result['auc']:.4f} log loss {result['logloss']:.4f} "
+                          f"({time.perf_counter() - started:.1f} s)")
         record = {"step": self.step, "split": split, **result}
         self.evals.append(record)
         self.log.write(record)

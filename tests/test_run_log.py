@@ -1,0 +1,100 @@
+"""Logs for batch jobs: periodic lines with stdout redirected and in app.log,
+config errors before torch is imported, the auto-plan table at 80 columns."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+RECSYS = str(Path(sys.executable).with_name("recsys"))
+SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
+STEP_LINE = re.compile(r"step (\d+)/60 \(\d+ %\) epoch 0 loss (\d+\.\d{4}) ([\d,]+) samples/s "
+                       r"elapsed \d:\d\d:\d\d ETA \d:\d\d:\d\d$")
+
+
+def test_redirected_run_logs_every_log_every_steps_to_stdout_and_app_log(tmp_path):
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([RECSYS, "train", *SMALL, "trainer.max_steps=60", "trainer.log_every=20",
+                             "trainer.eval_every=40", "hydra.run.dir=run"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 0, result.stderr
+    for text in (result.stdout, (tmp_path / "run" / "app.log").read_text()):
+        lines = text.splitlines()
+        steps = [m for m in map(STEP_LINE.search, lines) if m]
+        assert [int(m.group(1)) for m in steps] == [20, 40, 60]
+        assert all(int(m.group(3).replace(",", "")) > 0 for m in steps)
+        evals = [line for line in lines if re.search(r"eval (val|test) at step \d+: AUC 0\.\d{4} log loss", line)]
+        assert [re.search(r"eval (\w+) at step (\d+)", e).groups() for e in evals] == [
+            ("val", "40"), ("val", "60"), ("test", "60")]
+    # Off a terminal the bar is not drawn: its one final line would repeat the last step's.
+    assert not any(line.startswith("train ") for line in result.stdout.splitlines())
+    # The file has the lines once each (not also through Hydra's console handler).
+    assert (tmp_path / "run" / "app.log").read_text().count("step 20/60") == 1
+    assert result.stdout.count("step 20/60") == 1
+
+    # evaluate and export, redirected too, say how far they are.
+    evaluate = subprocess.run([RECSYS, "evaluate", "checkpoint=run", "split=val", "plots=false",
+                               "batch_size=128"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert evaluate.returncode == 0, evaluate.stderr
+    shares = [int(s) for s in re.findall(r"^scoring: (\d+) % of the rows, [\d,]+ rows, .* ETA", evaluate.stderr, re.M)]
+    assert len(shares) >= 5 and shares == sorted(shares) and shares[-1] == 100
+    export = subprocess.run([RECSYS, "export", "checkpoint=run"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert export.returncode == 0, export.stderr
+    phases = [line for line in export.stderr.splitlines() if line.startswith("export: ")]
+    assert [p.split()[1] for p in phases[:3]] == ["loading", "tracing", "writing"]
+
+
+def test_progress_false_keeps_the_log_file_and_quiets_stdout(tmp_path):
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([RECSYS, "train", *SMALL, "trainer.max_steps=20", "trainer.log_every=10",
+                             "trainer.progress=false", "hydra.run.dir=run"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "step 10/20" not in result.stdout
+    assert "step 10/20" in (tmp_path / "run" / "app.log").read_text()
+
+
+PROBE = """
+import sys
+from recsys_cli.cli import main
+try:
+    main(["train", *sys.argv[1:], "hydra.run.dir=run"])
+except SystemExit as e:
+    print("exit", e.code, "torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
+    """A typo, a range and a combination error: each exits 2, one line,
+    with torch never imported and no run directory made."""
+    for override, message in (("trainer.lgo_every=5", "unknown key 'trainer.lgo_every'"),
+                              ("trainer.log_every=0", "trainer.log_every must be >= 1"),
+                              ("model.bottom_mlp=[64,8]", "dot interaction needs model.embedding_dim=16")):
+        result = subprocess.run([sys.executable, "-c", PROBE, override], cwd=tmp_path, capture_output=True, text=True)
+        assert result.stdout.strip() == "exit 2 torch imported: False", (override, result.stdout, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr
+        assert not (tmp_path / "run").exists()
+
+
+def test_plan_table_fits_80_columns_and_keeps_each_reason_whole():
+    from rich.console import Console
+
+    from recsys_cli.embeddings.planner import parse_bytes, plan_placement
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    tables = [TableSpec("a", 1000, 16), TableSpec("b", 10_000_000, 64)]
+    plan = plan_placement(tables, {"a": 100, "b": 120_000}, parse_bytes("64MiB"), "int4", 0, {"b": 2000})
+    console = Console(record=True, width=80)
+    console.print(plan.table())
+    table = console.export_text()
+    for line in plan.why_lines():
+        console.print(line, soft_wrap=True)
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in table.splitlines())
+    assert text.splitlines() == [f"  why {plan.reasons[name]}" for name in ("a", "b")]
+    assert len(plan.reasons["b"]) > 40  # long enough that a column of its own wrapped it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -78,7 +79,7 @@ def export(cfg: ExportConfig, console=None) -> dict:
     require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
     if cfg.precision not in INFERENCE_PRECISIONS:
         raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
-    with _phase(console, f"export: loading {cfg.checkpoint}"):
+    with _phase(console, f"export: loading {cfg.checkpoint}", f"export: loaded {cfg.checkpoint}"):
         loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
     multi_hot = _multi_hot(loaded)
     if multi_hot:
@@ -88,7 +89,7 @@ def export(cfg: ExportConfig, console=None) -> dict:
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}.pt2"
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model.pt2)")
-    with _phase(console, "export: tracing the model (torch.export)"):
+    with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
         program = export_program(loaded)
     meta = {
         "format": "recsys export 1",
@@ -113,7 +114,7 @@ def export(cfg: ExportConfig, console=None) -> dict:
     tmp_dir.mkdir(exist_ok=True)
     tmp = tmp_dir / (output.stem + ".pt2")
     try:
-        with _phase(console, f"export: writing {output}"):
+        with _phase(console, f"export: writing {output}", f"export: wrote {output}"):
             torch.export.save(program, tmp, extra_files={METADATA: json.dumps(meta)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -127,12 +128,15 @@ def export(cfg: ExportConfig, console=None) -> dict:
     return {"output": str(output), "bytes": size, **meta}
 
 
-def _phase(console, what: str):
-    """A spinner saying what the export is doing on a terminal; a line in a log."""
-    if console.is_terminal:
-        return console.status(what)
-    console.print(what, soft_wrap=True, markup=False)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _phase(console, doing: str, done: str):
+    """A spinner saying what the export is doing on a terminal; in a log, a
+    line with its seconds once it is done (an error stays the only line)."""
+    started = time.perf_counter()
+    with console.status(doing) if console.is_terminal else contextlib.nullcontext():
+        yield
+    if not console.is_terminal:
+        console.print(f"{done} ({time.perf_counter() - started:.1f} s)", soft_wrap=True, markup=False)
 
 
 def _multi_hot(loaded) -> list[str]:

@@ -46,7 +46,7 @@ def test_redirected_run_logs_every_log_every_steps_to_stdout_and_app_log(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert export.returncode == 0, export.stderr
     phases = [line for line in export.stderr.splitlines() if line.startswith("export: ")]
-    assert [p.split()[1] for p in phases[:3]] == ["loading", "tracing", "writing"]
+    assert [p.split()[1] for p in phases[:3]] == ["loaded", "traced", "wrote"]
 
 
 def test_progress_false_keeps_the_log_file_and_quiets_stdout(tmp_path):

@@ -34,6 +34,8 @@ def train_main(cfg: DictConfig) -> float | None:
     global _started
     _started = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from recsys_cli.train import distributed  # torch: only once the config is known to be good
+
     try:
         distributed.check_process_count(cfg)  # before the run directory is made: nothing is written
         with contextlib.ExitStack() as locks:

@@ -59,23 +59,23 @@ def config(rows: int, scale: float, batch: int, steps: int, placement: dict, dis
 
 def alternate(trainers: dict[str, Trainer], steps: int, chunk: int) -> dict[str, float]:
     """Train every trainer `steps` steps in alternating chunks; seconds each spent."""
-    streams = {name: t.epoch_batches() for name, t in trainers.items()}
+    feeds = {name: t.epoch_batches() for name, t in trainers.items()}
     seconds = dict.fromkeys(trainers, 0.0)
     for name, t in trainers.items():  # warm-up: the loaders and prefetchers start, the window fills
         for _ in range(min(10, steps // 4)):
-            t.train_step(next(streams[name]))
-            t.stream.passed(t.step)
+            t.train_step(next(feeds[name]))
+            t.feed.passed(t.step)
     done = 0
     while done < steps:
         n = min(chunk, steps - done)
         for name, t in trainers.items():
             start = time.perf_counter()
             for _ in range(n):
-                t.train_step(next(streams[name]))
-                t.stream.passed(t.step)
+                t.train_step(next(feeds[name]))
+                t.feed.passed(t.step)
             seconds[name] += time.perf_counter() - start
         done += n
-    for s in streams.values():
+    for s in feeds.values():
         s.close()
     return seconds
 

@@ -295,7 +295,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
             raise UserError(f"split {unknown[0]!r} is not in {source} (splits: {', '.join(manifest.splits)})")
         total = sum(manifest.splits[s].rows for s in splits)
         progress = RowProgress(cfg.progress, total, "rows")
-        stream = lambda: dataset_logits(loaded, source, splits, batch_size, progress.advance)  # noqa: E731
+        logit_blocks = lambda: dataset_logits(loaded, source, splits, batch_size, progress.advance)  # noqa: E731
         what = f"{source} ({', '.join(splits)})"
     else:
         paths = resolve_inputs(str(cfg.input))
@@ -308,15 +308,15 @@ def predict(cfg: PredictConfig, console=None) -> dict:
                                 f"found {fields}")
             labels = fields == 40
         progress = RowProgress(cfg.progress, sum(p.stat().st_size for p in paths), "input bytes")
-        stream = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
-                                    progress.advance)
+        logit_blocks = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
+                                          progress.advance)
         what = ", ".join(map(str, paths))
     writer = PredictionWriter(Path(cfg.output).expanduser(), cfg.id_start, cfg.id_name, cfg.prob_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) // 2))
     try:
         with progress:
-            for logits, _ in stream():
+            for logits, _ in logit_blocks():
                 writer.write(torch.sigmoid(logits))
         writer.commit()
     except BaseException:

@@ -1,5 +1,5 @@
 """Sizes for people: the one byte formatter of the tables the tool prints
-(the run's summary, `recsys report`, the placement plan).
+(the run's summary, `recsys report`, the table placements).
 
 No torch import, so `recsys report` stays light.
 """

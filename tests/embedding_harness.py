@@ -118,9 +118,9 @@ def train(batches: list[Batch], model, opt, *, start: int = 0, jitter: int | Non
     ahead = [(i, g) for i, g in enumerate(emb.groups) if g.lookahead]
     losses, checkpoint = [], None
     pause = (lambda s: s == checkpoint_at) if checkpoint_at is not None else None
-    with Prefetcher(planned, ahead, emb.release, start=start, pause_at=pause) as stream:
+    with Prefetcher(planned, ahead, emb.release, start=start, pause_at=pause) as feed:
         step = start
-        for batch in stream:
+        for batch in feed:
             for group, plan in zip(emb.groups, batch.plans):
                 if not group.lookahead:
                     group.prepare(plan)
@@ -134,10 +134,10 @@ def train(batches: list[Batch], model, opt, *, start: int = 0, jitter: int | Non
             step += 1
             if step == checkpoint_at:
                 checkpoint = checkpoint_bytes(model, opt, step)
-            stream.passed(step)
+            feed.passed(step)
             if trainer_rng is not None and trainer_rng.random() < 0.3:
                 time.sleep(trainer_rng.random() * 0.002)
-    return Run(losses, {s: {t: list(r) for t, r in v.items()} for s, v in writes.items()}, stream.window_used, checkpoint)
+    return Run(losses, {s: {t: list(r) for t, r in v.items()} for s, v in writes.items()}, feed.window_used, checkpoint)
 
 
 def resume(checkpoint: bytes, model, opt) -> int:

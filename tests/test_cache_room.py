@@ -225,11 +225,11 @@ def test_shrinking_window_merges_the_history_once():
     assert windows[-10:] == [4] * 10
 
 
-def test_the_planners_index_bytes_are_what_a_lookahead_cache_holds():
-    """The planner's host bytes per slot for a cache's index (planner.py)
+def test_the_placement_searchs_index_bytes_are_what_a_lookahead_cache_holds():
+    """The placement search's host bytes per slot for a cache's index (placement_search.py)
     equal what a lookahead cache reports in memory(), so a new per-slot
-    tensor (the room search's scratch) cannot leave the plans short."""
-    from recsys_cli.embeddings.planner import INDEX_BYTES_PER_SLOT
+    tensor (the room search's scratch) cannot leave the placements short."""
+    from recsys_cli.embeddings.placement_search import INDEX_BYTES_PER_SLOT
 
     group = _group("lru", lookahead=True, precision="fp32")
     index_bytes = [n for tier, what, n in group.memory() if what == "index"]

@@ -195,7 +195,7 @@ def test_keep_sessions(sess):
         sessions += b.session.tolist()
     assert sorted(rows) == list(range(800))
     assert rows != sorted(rows)
-    # each session is one contiguous run of the stream, its rows in file order
+    # each session is one contiguous run of the row sequence, its rows in file order
     runs = [s for i, s in enumerate(sessions) if i == 0 or sessions[i - 1] != s]
     assert len(runs) == len(set(runs))
     for s in set(sessions):

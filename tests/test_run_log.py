@@ -1,5 +1,5 @@
 """Logs for batch jobs: periodic lines with stdout redirected and in app.log,
-config errors before torch is imported, the auto-plan table at 80 columns."""
+config errors before torch is imported, the auto placement table at 80 columns."""
 
 from __future__ import annotations
 
@@ -81,20 +81,20 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
-def test_plan_table_fits_80_columns_and_keeps_each_reason_whole():
+def test_placement_table_fits_80_columns_and_keeps_each_reason_whole():
     from rich.console import Console
 
-    from recsys_cli.embeddings.planner import parse_bytes, plan_placement
+    from recsys_cli.embeddings.placement_search import parse_bytes, place_tables
     from recsys_cli.embeddings.table_init import TableSpec
 
     tables = [TableSpec("a", 1000, 16), TableSpec("b", 10_000_000, 64)]
-    plan = plan_placement(tables, {"a": 100, "b": 120_000}, parse_bytes("64MiB"), "int4", 0, {"b": 2000})
+    placed = place_tables(tables, {"a": 100, "b": 120_000}, parse_bytes("64MiB"), "int4", 0, {"b": 2000})
     console = Console(record=True, width=80)
-    console.print(plan.table())
+    console.print(placed.table())
     table = console.export_text()
-    for line in plan.why_lines():
+    for line in placed.why_lines():
         console.print(line, soft_wrap=True)
     text = console.export_text()
     assert all(len(line) <= 80 for line in table.splitlines())
-    assert text.splitlines() == [f"  why {plan.reasons[name]}" for name in ("a", "b")]
-    assert len(plan.reasons["b"]) > 40  # long enough that a column of its own wrapped it
+    assert text.splitlines() == [f"  why {placed.reasons[name]}" for name in ("a", "b")]
+    assert len(placed.reasons["b"]) > 40  # long enough that a column of its own wrapped it

@@ -205,15 +205,15 @@ def allocated_by_fake_cuda(runtime, build):
 
 @pytest.mark.parametrize("budget", ["48KiB", "300KiB", "64MiB"])
 def test_auto_placement_stays_within_the_budget(cache_dir, tmp_path, budget, monkeypatch):
-    from recsys_cli.embeddings.planner import parse_bytes
+    from recsys_cli.embeddings.placement_search import parse_bytes
 
     if TEST_DEVICE.type == "cpu":  # the trainer's budget check sees the CUDA allocator's rounding
         monkeypatch.setattr("recsys_cli.train.trainer.allocated_by", allocated_by_fake_cuda)
     trainer = Trainer(config(cache_dir, placement__kind="auto", placement__device_memory_budget=budget,
                              trainer__max_steps=30), run_dir=tmp_path)
     summary = trainer.fit()
-    used, plan = summary["embedding_bytes"]["device"], summary["placement_plan"]
-    assert used <= parse_bytes(budget) and used == plan["expected_bytes"]["device"]
-    kinds = set(plan["placements"].values())
+    used, auto = summary["embedding_bytes"]["device"], summary["auto_placement"]
+    assert used <= parse_bytes(budget) and used == auto["expected_bytes"]["device"]
+    kinds = set(auto["placements"].values())
     assert kinds == {"device"} if budget == "64MiB" else "lookahead" in kinds
     assert summary["final"]["val"]["auc"] > 0.5

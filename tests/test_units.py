@@ -1,4 +1,4 @@
-"""The one byte formatter every table of the tool uses (summary, report, placement plan)."""
+"""The one byte formatter every table of the tool uses (summary, report, table placements)."""
 
 import pytest
 
@@ -14,8 +14,8 @@ def test_format_bytes(n, text):
 
 
 def test_every_table_uses_the_same_formatter():
-    from recsys_cli.embeddings import planner
+    from recsys_cli.embeddings import placement_search
     from recsys_cli.report import tables
     from recsys_cli.train import progress
 
-    assert planner.format_bytes is tables.format_bytes is progress.format_bytes is format_bytes
+    assert placement_search.format_bytes is tables.format_bytes is progress.format_bytes is format_bytes

@@ -56,13 +56,13 @@ def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int)
     recsys = Recsys(setup, shapes, data, cfg) if "recsys" in names else None
     systems = {n: build(n, setup, cfg, shapes, data, recsys) for n in names}
     build_seconds = time.perf_counter() - built
-    streams = {n: iter(s.loader()) for n, s in systems.items()}
+    batches = {n: iter(s.loader()) for n, s in systems.items()}
     needed = warmup + rounds * steps
     if needed * setup.batch_size > setup.rows * 0.8:  # the train split is ~80 % of the rows
         raise SystemExit(f"--rows {setup.rows} is too few for {needed} steps of batch {setup.batch_size}")
     first_losses = {}
     for n, s in systems.items():  # warm-up, and the loss check
-        _, _, losses = chunk(s, streams[n], warmup)
+        _, _, losses = chunk(s, batches[n], warmup)
         first_losses[n] = losses[:LOSS_STEPS]
     per_round, per_round_cpu = [], []
     load = [os.getloadavg()[0]]
@@ -70,7 +70,7 @@ def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int)
         order = names[r % len(names):] + names[: r % len(names)]
         rates, cpu_rates = {}, {}
         for n in order:
-            seconds, cpu, _ = chunk(systems[n], streams[n], steps)
+            seconds, cpu, _ = chunk(systems[n], batches[n], steps)
             rates[n] = steps * setup.batch_size / seconds
             cpu_rates[n] = steps * setup.batch_size / cpu
         per_round.append(rates)

@@ -41,11 +41,11 @@ def run(batch: int, rows: int, scale: float, chunk_steps: int, variants: list[st
         cfg.trainer.eval_batch_size = 4096
         data = dataset_dir(cfg)
         systems[name] = Recsys(setup, shapes_of(cfg, data), data, cfg)
-    streams = {n: iter(s.loader()) for n, s in systems.items()}
+    batches = {n: iter(s.loader()) for n, s in systems.items()}
     steps_total = systems[variants[0]].trainer.train_loader.num_batches
     for n, s in systems.items():  # first step: compiles where compiling
         start = time.perf_counter()
-        s.step(next(streams[n]))
+        s.step(next(batches[n]))
         startup[n] = time.perf_counter() - start
     rates: dict[str, list[float]] = {n: [] for n in variants}
     done, load = 1, [os.getloadavg()[0]]
@@ -54,7 +54,7 @@ def run(batch: int, rows: int, scale: float, chunk_steps: int, variants: list[st
         for n in variants:
             start = time.thread_time()
             for _ in range(steps):
-                systems[n].step(next(streams[n]))
+                systems[n].step(next(batches[n]))
             rates[n].append(steps * batch / (time.thread_time() - start))
         done += steps
         load.append(os.getloadavg()[0])

@@ -10,8 +10,8 @@ Order of an epoch (the same on every rank, so ranks need no communication):
   permuted instead, so a session's samples stay contiguous and in order (a
   session that spans a row-group boundary is kept as two runs, one per row
   group; writers that want whole sessions end row groups at session bounds);
-* all rows concatenated into one stream; global batch k is rows
-  [k * batch_size, (k + 1) * batch_size) of the stream (across row-group
+* all rows concatenated into one sequence; global batch k is rows
+  [k * batch_size, (k + 1) * batch_size) of the sequence (across row-group
   boundaries). ``drop_last`` drops a final partial batch.
 
 Rank r of world_size w gets a contiguous slice of every global batch; slice sizes

@@ -30,7 +30,7 @@ from recsys_cli.device import runtime_for
 from recsys_cli.embeddings.cache_size import cache_size
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.planner import PlacementPlan, measure_access, parse_bytes, plan_placement
+from recsys_cli.embeddings.placement_search import TablePlacements, measure_access, parse_bytes, place_tables
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
 from recsys_cli.embeddings.tables import DirectGroup
@@ -70,7 +70,7 @@ def build_embeddings(
 ) -> EmbeddingBagCollection:
     """One table per feature, named after it, grouped by (placement, precision).
 
-    placements/precisions: per table, overriding the config (the planner's
+    placements/precisions: per table, overriding the config (the placement search's
     choice); cache_rows: slots of the lookahead/cache group (or per
     placement kind, {"lookahead": n, "disk": m}), overriding placement.cache_rows;
     batch_ids: per table the most ids one batch holds (None: multi-hot), the
@@ -162,10 +162,10 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
     )
 
 
-def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
-              sample_batches) -> PlacementPlan:
+def measure_and_place(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
+                      sample_batches) -> TablePlacements:
     """placement=auto: measure the access skew of a sample of training
-    batches and let the planner place every table within the device budget
+    batches and let the placement search place every table within the device budget
     (and, with placement.host_memory_budget, the host budget: the rest on disk)."""
 
     if not placement.device_memory_budget:
@@ -173,7 +173,7 @@ def plan_auto(features: list[str], vocab_sizes: list[int], dim: int, placement, 
     budget = parse_bytes(placement.device_memory_budget)
     profile = measure_access(sample_batches, features, vocab_sizes)
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
-    return plan_placement(
+    return place_tables(
         tables, profile.hot_rows(), budget, precision=precision.kind,
         optimizer_state_per_row=1 if optimizer.has_state else 0,
         batch_unique_rows=profile.batch_unique_rows, reads=profile.reads, policy=placement.policy,

@@ -29,14 +29,14 @@ _DONE = object()
 
 
 class Prefetcher:
-    """The batch stream of a run with lookahead caches: a context manager
+    """The batch feed of a run with lookahead caches: a context manager
     that iterates the prepared batches. The thread is data_tools' one
     BackgroundIterator; this class adds what a cache needs around it: the
     pauses, stopping the caches' waits on exit, and releasing batches that
     were prepared but never trained on.
 
     Subclasses change how a plan is made resident (`_prepare`, a generator
-    that may yield control items into the stream ahead of the batch), what
+    that may yield control items into the feed ahead of the batch), what
     happens when the source runs dry (`_finish`) and how the trainer's thread
     handles a control item (`_control`); see train/strategies/cache_fill.py."""
 
@@ -87,7 +87,7 @@ class Prefetcher:
 
     def _control(self, item) -> None:
         """Handle a control item on the trainer's thread."""
-        raise TypeError(f"unexpected item in the batch stream: {item!r}")
+        raise TypeError(f"unexpected item in the batch feed: {item!r}")
 
     def _wait_pause(self, step: int) -> bool:
         """False if stopped while waiting for the trainer to pass `step`."""

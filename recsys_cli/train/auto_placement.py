@@ -1,11 +1,11 @@
-"""placement=auto: sample the first training batches and plan every table's placement from their skew."""
+"""placement=auto: sample the first training batches and place every table from their skew."""
 
 from __future__ import annotations
 
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import plan_auto
-from recsys_cli.embeddings.planner import PlacementPlan
+from recsys_cli.embeddings.placement import measure_and_place
+from recsys_cli.embeddings.placement_search import TablePlacements
 from recsys_cli.train.training_data import TrainingData
 
 SAMPLE_BATCHES = 64
@@ -21,8 +21,8 @@ def sample_sparse(data: TrainingData, batch_size: int, seed: int, count: int = S
     return batches
 
 
-def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer) -> PlacementPlan:
-    """The plan placement=auto trains with: planned from the skew of the first training batches."""
+def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer) -> TablePlacements:
+    """The placements placement=auto trains with: chosen from the skew of the first training batches."""
     batches = sample_sparse(data, cfg.trainer.batch_size, cfg.trainer.seed)
-    return plan_auto(data.features, data.vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
+    return measure_and_place(data.features, data.vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
                      row_optimizer, batches)

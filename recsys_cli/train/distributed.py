@@ -23,10 +23,10 @@ naming the rank, its pid and the cause. Both process groups are created with
 dying raises within that time instead of waiting forever.
 
 Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
-syncs and evaluation, issued only by the main thread. ``plan``: always gloo
+syncs and evaluation, issued only by the main thread. ``prefetch``: always gloo
 (host tensors); the per-batch all-gather of unique row ids and, in cache_avg
 mode, rank 0's cache fills, issued only by the one thread that plans batches
-ahead (the prefetcher thread, or a planning thread without lookahead). Keeping
+ahead (the prefetcher thread, or UnionAhead's thread without lookahead). Keeping
 them apart keeps each group's collectives in the same order on every rank
 although two threads issue them. How the embeddings stay in step across ranks
 is in strategies/ (grad_sync.py, cache_avg.py).
@@ -71,7 +71,7 @@ class DistContext:
     local_world_size: int = 1
     backend: str | None = None
     group: Any = None  # the main group (None: torch's default group)
-    plan_group: Any = None  # gloo, for the planning thread
+    prefetch_group: Any = None  # gloo, for the thread ahead of the trainer (prefetcher or UnionAhead)
     timeout_s: float = 0.0
     checkpoint_group: Any = None  # gloo, CHECKPOINT_WAIT_S timeout: waiting for rank 0's save
 
@@ -125,9 +125,9 @@ def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=timeout)
-    plan_group = dist.new_group(backend="gloo", timeout=timeout)
+    prefetch_group = dist.new_group(backend="gloo", timeout=timeout)
     checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECKPOINT_WAIT_S)))
-    _context = DistContext(rank, world, local_rank, local_world, backend, None, plan_group, timeout_s, checkpoint_group)
+    _context = DistContext(rank, world, local_rank, local_world, backend, None, prefetch_group, timeout_s, checkpoint_group)
     return _context
 
 

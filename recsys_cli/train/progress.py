@@ -82,9 +82,9 @@ def summary_table(summary: dict) -> Table:
     if allocated is not None:  # CUDA: what the allocators hold, beside the tensor sizes above
         add("  allocated: device / pinned host", f"{format_bytes(allocated['device'])} / {format_bytes(allocated['pinned_host'])}")
     add("  of which tables / cache / cache index", f"{format_bytes(mem['table'])} / {format_bytes(mem['cache'])} / {format_bytes(mem['index'])}")
-    plan = summary.get("placement_plan")
-    if plan:
-        add("device budget (auto placement)", f"{format_bytes(mem['device'])} used of {format_bytes(plan['budget_bytes'])}")
+    auto = summary.get("auto_placement")
+    if auto:
+        add("device budget (auto placement)", f"{format_bytes(mem['device'])} used of {format_bytes(auto['budget_bytes'])}")
     add("peak host RSS", format_bytes(summary["peak_host_rss_bytes"]))
     if summary.get("peak_device_bytes") is not None:
         add("peak device memory / pinned host", f"{format_bytes(summary['peak_device_bytes'])} / "

@@ -63,25 +63,25 @@ class Trainer:
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
-        self.plan = auto_placement(cfg, data, row_optimizer) if cfg.placement.kind == "auto" else None
-        if self.plan is not None and self.console is not None:
-            self.console.print(self.plan.table())
-            for line in self.plan.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
+        self.auto_placement = auto_placement(cfg, data, row_optimizer) if cfg.placement.kind == "auto" else None
+        if self.auto_placement is not None and self.console is not None:
+            self.console.print(self.auto_placement.table())
+            for line in self.auto_placement.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
                 self.console.print(line, soft_wrap=True, highlight=False)
         self.runtime = runtime_for(self.device)
         # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
         embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
-            self.device, tc.seed, **(self.plan.build_arguments() if self.plan else {}),
+            self.device, tc.seed, **(self.auto_placement.build_arguments() if self.auto_placement else {}),
             batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in data.manifest.sparse_features},
         ))
         if self.console is not None and self.dist.is_main:
             for line in embeddings.cache_sizes():
                 self.console.print(line, soft_wrap=True)
         device_bytes = (self.embedding_allocated or embeddings.memory())["device"]
-        if self.plan is not None and device_bytes > self.plan.budget_bytes:
-            raise RuntimeError(  # the planner's byte model and the allocation disagree: a bug, not bad input
-                f"placement plan allocated {device_bytes} device bytes, over the budget {self.plan.budget_bytes}"
+        if self.auto_placement is not None and device_bytes > self.auto_placement.budget_bytes:
+            raise RuntimeError(  # the placement search's byte model and the allocation disagree: a bug, not bad input
+                f"the table placements allocated {device_bytes} device bytes, over the budget {self.auto_placement.budget_bytes}"
             )
         self.model = DLRM(
             len(data.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
@@ -209,7 +209,7 @@ class Trainer:
                         self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         with self.throughput.paused("checkpoint"):
                             self.save()
-                    self.stream.passed(self.step)  # the prefetcher may fill the next step's batch
+                    self.feed.passed(self.step)  # the prefetcher may fill the next step's batch
                     if self.step >= self.total_steps:
                         batches.close()
                         break
@@ -243,15 +243,15 @@ class Trainer:
         self.train_loader.load_state_dict({"epoch": self.epoch, "batch": self.batch_in_epoch, "seed": self.cfg.trainer.seed})
         # Exactly the batches this run trains: a prefetcher must not fill a batch past the last step.
         limit = min(self.train_loader.num_batches - self.batch_in_epoch, self.total_steps - self.step)
-        self.stream = stream = self.strategy.batches(self.train_loader, limit, self.step, self.pauses_at)
-        with stream as batches:
+        self.feed = feed = self.strategy.batches(self.train_loader, limit, self.step, self.pauses_at)
+        with feed as batches:
             try:
                 yield from batches
             finally:  # also when the caller stops early (max_steps)
                 self.window_used.extend(batches.window_used)
-                # The stream holds self.pauses_at: kept, it would tie the
+                # The feed holds self.pauses_at: kept, it would tie the
                 # trainer (and its tables) into a cycle only gc.collect frees.
-                self.stream = None
+                self.feed = None
         if self.batch_in_epoch >= self.train_loader.num_batches:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
@@ -455,9 +455,9 @@ class Trainer:
             "dedup": cfg.dedup.enabled,
             "session_shuffle": self.data.keep_sessions,  # batches hold whole sessions
             "cache": self.embeddings.stats(),
-            "placement_plan": None if self.plan is None else {
-                "budget_bytes": self.plan.budget_bytes, "expected_bytes": self.plan.expected_bytes,
-                "placements": self.plan.placements, "cache_rows": self.plan.cache_rows, "reasons": self.plan.reasons,
+            "auto_placement": None if self.auto_placement is None else {
+                "budget_bytes": self.auto_placement.budget_bytes, "expected_bytes": self.auto_placement.expected_bytes,
+                "placements": self.auto_placement.placements, "cache_rows": self.auto_placement.cache_rows, "reasons": self.auto_placement.reasons,
             },
             "duplication": self.duplication(),
             "train_calibration": self.train_calibration(),

@@ -14,10 +14,10 @@ because the loader then decodes only the rank's slice; the price is one small
 all-gather of ids per batch.
 
 It runs on the thread that plans batches ahead (the prefetcher thread when a
-group has a lookahead cache, otherwise PlanAhead's thread), so it overlaps
-training; always on the gloo plan group (distributed.py), so its collectives
+group has a lookahead cache, otherwise UnionAhead's thread), so it overlaps
+training; always on the gloo prefetch group (distributed.py), so its collectives
 never interleave with the main thread's. Every rank plans exactly the
-batches it will train (the stream is cut at the end of the epoch or at
+batches it will train (the feed is cut at the end of the epoch or at
 max_steps), so these collectives always pair up.
 """
 
@@ -49,11 +49,11 @@ def union_batches(loader, limit: int, group) -> Iterator[Batch]:
             yield union_plan(batch, group)
     finally:  # the loader's reader thread stops with it
         source.close()
-class PlanAhead:
-    """Union planning on its own thread, a few batches ahead, when no
+class UnionAhead:
+    """Union plans made on their own thread, a few batches ahead, when no
     prefetcher thread would do it: the all-gather of ids then overlaps the
-    step instead of adding its latency to it. A batch stream like Prefetcher
-    (strategies/base.py, BatchStream) on data_tools' BackgroundIterator."""
+    step instead of adding its latency to it. A batch feed like Prefetcher
+    (strategies/base.py, BatchFeed) on data_tools' BackgroundIterator."""
 
     def __init__(self, source: Iterator[Batch], depth: int = 4) -> None:
         self.source = source
@@ -61,15 +61,15 @@ class PlanAhead:
         self.window_used: list[int] = []
         self._thread: BackgroundIterator | None = None
 
-    def __enter__(self) -> "PlanAhead":
-        self._thread = BackgroundIterator(self.source, depth=self.depth, name="recsys-plan")
+    def __enter__(self) -> "UnionAhead":
+        self._thread = BackgroundIterator(self.source, depth=self.depth, name="recsys-union")
         return self
 
     def __iter__(self) -> Iterator[Batch]:
         return iter(self._thread)
 
     def passed(self, step: int) -> None:
-        """Planning fills no cache: nothing waits for the trainer."""
+        """Union plans fill no cache: nothing waits for the trainer."""
 
     def __exit__(self, exc_type, *exc) -> None:
         # After an error a peer process may never answer the thread's all-gather.

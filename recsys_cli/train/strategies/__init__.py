@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from recsys_cli.train.distributed import DistContext
-from recsys_cli.train.strategies.base import BatchStream, Strategy
+from recsys_cli.train.strategies.base import BatchFeed, Strategy
 from recsys_cli.train.strategies.cache_avg import CacheAvg, check
 from recsys_cli.train.strategies.grad_sync import GradSync
 from recsys_cli.train.strategies.single import SingleProcess
 
-__all__ = ["BatchStream", "CacheAvg", "GradSync", "SingleProcess", "Strategy", "check", "strategy_for"]
+__all__ = ["BatchFeed", "CacheAvg", "GradSync", "SingleProcess", "Strategy", "check", "strategy_for"]
 
 
 def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0) -> Strategy:

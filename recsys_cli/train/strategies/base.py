@@ -3,7 +3,7 @@
 The trainer runs one loop for every way of distributing; a strategy owns
 what differs between them:
 
-  batches()            the training batch stream of an epoch (planned,
+  batches()            the training batch feed of an epoch (planned,
                        prefetched, and across ranks made consistent)
   loss_scale()         this rank's weight in the global batch's mean loss
   reduce_gradients()   after backward: gradients (and the loss) across ranks
@@ -32,7 +32,7 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.cache import CachedGroup
 
 
-class BatchStream(Protocol):
+class BatchFeed(Protocol):
     """What batches() returns: a context manager over the epoch's batches.
     passed(step) tells it the trainer is done with `step` (evaluation and
     checkpoint included); window_used: the lookahead window of every batch."""
@@ -56,7 +56,7 @@ class Strategy(abc.ABC):
         return [(i, g) for i, g in enumerate(self.embeddings.groups) if g.lookahead]
 
     @abc.abstractmethod
-    def batches(self, loader, limit: int, start: int, pause_at: Callable[[int], bool]) -> BatchStream:
+    def batches(self, loader, limit: int, start: int, pause_at: Callable[[int], bool]) -> BatchFeed:
         """The next `limit` batches of `loader` (steps start, start + 1...),
         ready to train; pause_at(step): a step after which the trainer
         evaluates or checkpoints, so nothing is filled past it meanwhile."""

@@ -2,7 +2,7 @@
 
 fp32 tables behind a lookahead or on-demand cache only:
   * Rank 0 owns the tables and runs the prefetcher for every cached group. It
-    fills its cache from its store and broadcasts each fill on the plan group
+    fills its cache from its store and broadcasts each fill on the prefetch group
     (cache_fill.py); the other ranks apply those fills to the same slots of
     their cache replica; they never read or write their own table copy while
     training (they hold one only to load checkpoints).
@@ -17,9 +17,9 @@ fp32 tables behind a lookahead or on-demand cache only:
     batch completes only after its step's sync (if the step has one), and a
     prefetch for batch j with window w protects every batch since the last
     sync at or before j - w (CachedGroup.sync_points), so what may be evicted
-    follows from the batch stream, not from how far the trainer got. When
+    follows from the batch feed, not from how far the trainer got. When
     only such rows could give room, rank 0 asks for a sync early: it puts a
-    SYNC marker into its batch stream and broadcasts one to the other ranks,
+    SYNC marker into its batch feed and broadcasts one to the other ranks,
     which put it at the same place in theirs; every rank syncs when its
     trainer reaches the marker. So an evicted row is written back with its
     averaged value. Each fill carries how many syncs rank 0 had done when it
@@ -104,7 +104,7 @@ class CacheAvg(DataParallel):
 
     def sync_caches(self) -> None:
         """Average every slot touched since the last sync (all ranks call this
-        at the same point of the batch stream)."""
+        at the same point of the batch feed)."""
         with self.timer.phase("communication"):
             for replica in self.replicas.values():
                 g = replica.group
@@ -139,10 +139,10 @@ class CacheAvg(DataParallel):
 
     before_checkpoint = sync_caches
 
-    # --- the batch stream -------------------------------------------------------------
+    # --- the batch feed -------------------------------------------------------------
     def batches(self, loader, limit, start, pause_at):
         """Union plans; rank 0 fills every rank's caches."""
-        source = union_batches(loader, limit, self.ctx.plan_group)
+        source = union_batches(loader, limit, self.ctx.prefetch_group)
         groups = [(i, g) for i, g in enumerate(self.embeddings.groups) if id(g) in self.replicas]
         return CacheFillBroadcast(source, groups, self.embeddings.release, self, start, pause_at)
 

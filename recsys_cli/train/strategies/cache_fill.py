@@ -1,13 +1,13 @@
-"""cache_avg's batch stream: rank 0 fills every rank's caches (strategies/cache_avg.py).
+"""cache_avg's batch feed: rank 0 fills every rank's caches (strategies/cache_avg.py).
 
 On rank 0 the prefetcher thread fills the caches (CachedGroup.prepare) at most
-`window` batches ahead and broadcasts every fill on the plan group: the slot
+`window` batches ahead and broadcasts every fill on the prefetch group: the slot
 of every union row (the slot plan) and the rows it loaded with their
 optimizer state. On the other ranks the same thread receives the fills and
 copies them into the cache replica. SYNC markers (rank 0's requests for an
 early average, when only rows touched since the last one could make room)
-travel in the batch stream and are handled on the trainer's thread, at the
-same place of the stream on every rank.
+travel in the batch feed and are handled on the trainer's thread, at the
+same place of the feed on every rank.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from recsys_cli.embeddings.cache import CachedGroup, Fill, NeedsAverage
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import broadcast_
 
-_SYNC = object()  # in a batch stream: every rank averages its cache rows here
-FILL, SYNC = 1, 2  # kinds of rank 0's messages on the plan group
+_SYNC = object()  # in a batch feed: every rank averages its cache rows here
+FILL, SYNC = 1, 2  # kinds of rank 0's messages on the prefetch group
 
 
 class CacheFillBroadcast(Prefetcher):
@@ -31,11 +31,11 @@ class CacheFillBroadcast(Prefetcher):
 
     thread_name = "recsys-cache-fill"
 
-    def __init__(self, source: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release, sync,
+    def __init__(self, source: Iterator[Batch], groups: list[tuple[int, CachedGroup]], release, strategy,
                  start: int = 0, pause_at=None) -> None:
         super().__init__(source, groups, release, start, pause_at)
-        self.sync = sync
-        self.ctx = sync.ctx
+        self.strategy = strategy  # the CacheAvg strategy: its averages, early or every k steps
+        self.ctx = strategy.ctx
         self.decides_residency = self.ctx.is_main
         self._sends: list = []  # async SYNC broadcasts in flight (work, tensor)
 
@@ -50,13 +50,13 @@ class CacheFillBroadcast(Prefetcher):
 
     def _control(self, item) -> None:
         if item is _SYNC:
-            self.sync.early_sync()
+            self.strategy.early_sync()
         else:
             super()._control(item)
 
     # --- rank 0 ---------------------------------------------------------------------
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return broadcast_(tensor, 0, self.ctx.plan_group)
+        return broadcast_(tensor, 0, self.ctx.prefetch_group)
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -71,14 +71,14 @@ class CacheFillBroadcast(Prefetcher):
             except NeedsAverage as starved:
                 # Only rows awaiting an average could make room (every earlier
                 # batch is completed): ask every rank for one at this place of
-                # the stream, and prepare again once this rank's trainer did it.
+                # the feed, and prepare again once this rank's trainer did it.
                 header = torch.tensor([SYNC, 0, 0, 0], dtype=torch.int64)
-                self._sends.append((dist.broadcast(header, 0, group=self.ctx.plan_group, async_op=True), header))
+                self._sends.append((dist.broadcast(header, 0, group=self.ctx.prefetch_group, async_op=True), header))
                 yield _SYNC
                 group.wait_averaged(starved.batch)
         self._wait_sends()
         values = group.loaded_values(plan, fill) if fill.loaded.numel() else None
-        header = torch.tensor([FILL, self.sync.syncs_of(group), plan.num_unique, fill.loaded.numel()], dtype=torch.int64)
+        header = torch.tensor([FILL, self.strategy.syncs_of(group), plan.num_unique, fill.loaded.numel()], dtype=torch.int64)
         self._bcast(header)
         self._bcast(torch.cat([fill.slots, fill.loaded]))
         if values is not None:
@@ -89,17 +89,17 @@ class CacheFillBroadcast(Prefetcher):
         while True:
             header = self._bcast(torch.zeros(4, dtype=torch.int64))
             if int(header[0]) == SYNC:
-                yield _SYNC  # at the place of the stream where rank 0 put it
+                yield _SYNC  # at the place of the feed where rank 0 put it
                 continue
             break
         syncs, n, n_load = (int(x) for x in header[1:])
         if n != plan.num_unique:
             raise RuntimeError(
                 f"rank {self.ctx.rank} planned {plan.num_unique} rows of a batch but rank 0 filled {n}: "
-                "the ranks disagree on the batch stream"
+                "the ranks disagree on the batch feed"
             )
         ints = self._bcast(torch.zeros(n + n_load, dtype=torch.int64))
         values = self._bcast(torch.zeros(n_load, group.row_width)) if n_load else None
         # The slots rank 0 reused are free here only after the average that freed them.
-        self.sync.wait_syncs(group, syncs, self._stop)
+        self.strategy.wait_syncs(group, syncs, self._stop)
         group.apply(plan, Fill(ints[:n], ints[n:]), values)

@@ -14,7 +14,7 @@ the table replicas never diverge: each rank keeps its own table and fills its
 own cache (lookahead or on-demand) with its own prefetcher, from identical
 plans. The result is one process's trajectory with the global batch, up to
 the rounding of the averaged sums. Residency and rounding are functions of
-the batch stream (embeddings/cache.py), so the ranks' replicas stay bitwise
+the batch feed (embeddings/cache.py), so the ranks' replicas stay bitwise
 equal in every precision.
 
 Only rank 0 writes checkpoints; the others wait for it at a barrier of the
@@ -29,7 +29,7 @@ import torch
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import DistContext, all_gather_varlen, all_reduce_mean, checkpoint_barrier
 from recsys_cli.train.strategies.base import Strategy
-from recsys_cli.train.union_plan import PlanAhead, union_batches
+from recsys_cli.train.union_plan import UnionAhead, union_batches
 
 
 class DataParallel(Strategy):
@@ -101,8 +101,8 @@ class GradSync(DataParallel):
     def batches(self, loader, limit, start, pause_at):
         """Union plans, prefetched by every rank for itself (or planned ahead
         on a thread, so the ids' all-gather overlaps the step)."""
-        source = union_batches(loader, limit, self.ctx.plan_group)
+        source = union_batches(loader, limit, self.ctx.prefetch_group)
         lookahead = self.lookahead_groups()
         if lookahead:
             return Prefetcher(source, lookahead, self.embeddings.release, start, pause_at)
-        return PlanAhead(source)
+        return UnionAhead(source)

@@ -1,4 +1,4 @@
-"""The automatic placement planner: `placement=auto placement.device_memory_budget=64MiB`.
+"""The automatic placement search: `placement=auto placement.device_memory_budget=64MiB`.
 
 Pure functions; placement.py and the trainer wire them in.
 
@@ -7,7 +7,7 @@ Pure functions; placement.py and the trainer wire them in.
                    each row is read and the most unique rows one batch needs
   measure_skew     per table, the hottest rows that serve target_hit_rate of
                    the accesses
-  plan_placement   per table, `device` (the whole fp32 table on the device) or
+  place_tables   per table, `device` (the whole fp32 table on the device) or
                    `lookahead` (the table in host memory, in the run's
                    precision, behind an fp32 device cache of `cache_rows`
                    slots), never using more device bytes than the budget;
@@ -21,12 +21,12 @@ device, and its index (row-to-slot map, slot maps, pins, dirty bits, victim
 scores, LFU use counts) lives in host memory. On CUDA the budget holds the
 allocator's bytes, not the tensors': the caching allocator counts each
 tensor as a block rounded up to 512 bytes (and a block over 1 MiB may keep up
-to 1 MiB more of its segment unsplit), so the plan fills the budget less
+to 1 MiB more of its segment unsplit), so the placement fills the budget less
 that rounding for every device tensor the build allocates
-(device_allocations, allocator_block_bytes), and a plan the allocator counts
+(device_allocations, allocator_block_bytes), and a placement the allocator counts
 over the budget is never made.
 
-How plan_placement decides (Acun et al.: placement decides throughput):
+How place_tables decides (Acun et al.: placement decides throughput):
   1. Everything fits on the device: everything goes there.
   2. Every table needs at least a cache that holds one batch's unique rows
      (the cache's hard limit, see CacheTooSmall). If those minimum caches do
@@ -156,7 +156,7 @@ def allocator_block_bytes(nbytes: int) -> int:
 
 def device_allocations(tables: list[TableSpec], placements: dict[str, str], cache: dict[str, int],
                        state: int) -> list[int]:
-    """Bytes of each device tensor build_embeddings allocates for a plan: one
+    """Bytes of each device tensor build_embeddings allocates for a placement: one
     fused group per placement kind, each an fp32 rows tensor and an optimizer
     state tensor (device tables: the tables themselves; lookahead and disk
     tables: their cache's slots). Empty tensors take no block."""
@@ -171,10 +171,10 @@ def device_allocations(tables: list[TableSpec], placements: dict[str, str], cach
 
 
 def allocator_reserve(state: int, large: bool = False) -> int:
-    """The most bytes the CUDA allocator's rounding adds to a split plan's
+    """The most bytes the CUDA allocator's rounding adds to a split placement's
     tensors, a rows and a state tensor per placement kind (device, lookahead,
     disk; counted with or without a host budget, so that giving one does not
-    change the device plan): 511 each, 1 MiB more each if `large` (tensors
+    change the device placement): 511 each, 1 MiB more each if `large` (tensors
     over 1 MiB)."""
     tensors = 3 * (2 if state else 1)
     return tensors * (CUDA_BLOCK_BYTES - 1 + (CUDA_SMALL_BLOCK_BYTES if large else 0))
@@ -196,7 +196,7 @@ class AccessProfile:
 
     @property
     def reads(self) -> dict[str, int]:
-        """Per table, all reads in the sample (plan_placement's `reads`)."""
+        """Per table, all reads in the sample (place_tables's `reads`)."""
         return {name: int(c.sum()) for name, c in self.counts.items()}
 
     def hot_rows(self, target_hit_rate: float = 0.9) -> dict[str, int]:
@@ -260,10 +260,10 @@ def measure_skew(
     return measure_access(batches, features, vocab_sizes).hot_rows(target_hit_rate)
 
 
-# --- the plan ------------------------------------------------------------------------
+# --- the result -----------------------------------------------------------------------
 @dataclass
-class PlacementPlan:
-    """Where every table goes (not to be confused with plan.LookupPlan, a batch's lookups)."""
+class TablePlacements:
+    """Where every table goes."""
 
     placements: dict[str, str]  # table -> "device" | "lookahead" | "disk"
     cache_rows: dict[str, int]  # lookahead and disk tables -> cache slots
@@ -298,8 +298,8 @@ class PlacementPlan:
         return [t for t, p in self.placements.items() if p == "device"]
 
     def build_arguments(self) -> dict:
-        """build_embeddings arguments that realise the plan: device tables in
-        fp32, the others in the plan's precision behind one lookahead cache
+        """build_embeddings arguments that realise the placements: device tables in
+        fp32, the others in the search's precision behind one lookahead cache
         (host tables) and one more for the disk tables."""
         precisions = {t: ("fp32" if p == "device" else self.precision) for t, p in self.placements.items()}
         cache_rows = {kind: self.cache_rows_of(kind) or None for kind in ("lookahead", "disk")}
@@ -312,7 +312,7 @@ class PlacementPlan:
         from rich.table import Table
 
         table = Table(
-            title=f"placement plan: {format_bytes(self.expected_bytes['device'])} of "
+            title=f"table placement: {format_bytes(self.expected_bytes['device'])} of "
                   f"{format_bytes(self.budget_bytes)} device budget",
             header_style="bold",
         )
@@ -361,7 +361,7 @@ def slot_index_bytes(capacity: int) -> int:
     return max(capacity, 1) * SLOT_INDEX_BYTES_PER_SLOT
 
 
-def plan_placement(
+def place_tables(
     tables: list[TableSpec],
     hot_rows: dict[str, int],
     budget_bytes: int,
@@ -373,7 +373,7 @@ def plan_placement(
     policy: str = "lru",
     host_budget_bytes: int | None = None,
     host_cache_ratio: float = 0.05,
-) -> PlacementPlan:
+) -> TablePlacements:
     """Choose `device` or `lookahead` (with a cache size) for every table so the
     embeddings use at most `budget_bytes` of device memory; see the module
     docstring for the rules.
@@ -411,10 +411,10 @@ def plan_placement(
     def describe(t: TableSpec) -> str:
         return f"{format_count(t.num_rows)} rows x {row_b[t.name]} B = {format_bytes(full[t.name])}"
 
-    # The allocator's rounding: 511 bytes at most per tensor to start with; a plan
+    # The allocator's rounding: 511 bytes at most per tensor to start with; a placement
     # whose blocks (a tensor over 1 MiB may keep 1 MiB more) still exceed the
     # budget is made again with that much more reserved (never more than the
-    # bound for large tensors, with which every plan fits), until it fits.
+    # bound for large tensors, with which every placement fits), until it fits.
     reserve, most = allocator_reserve(state), allocator_reserve(state, large=True)
     for attempt in range(8):
         placements: dict[str, str] = {}
@@ -496,7 +496,7 @@ def plan_placement(
             break
         reserve = min(most, reserve + allocated - budget_bytes) if attempt < 6 else most
     else:  # a bug, never the user's doing
-        raise AssertionError(f"plan may take {allocated} device bytes (allocator blocks) of a {budget_bytes} budget")
+        raise AssertionError(f"placement may take {allocated} device bytes (allocator blocks) of a {budget_bytes} budget")
     table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy,
                                         host_cache_ratio)
                    for t in tables}
@@ -504,7 +504,7 @@ def plan_placement(
         "device": sum(b["device"] for b in table_bytes.values()),
         "host": sum(b["host"] for b in table_bytes.values()),
     }
-    return PlacementPlan(
+    return TablePlacements(
         placements=placements, cache_rows=cache, expected_bytes=expected, reasons=reasons,
         budget_bytes=budget_bytes, precision=precision, table_bytes=table_bytes,
         num_rows={t.name: t.num_rows for t in tables}, host_budget_bytes=host_budget_bytes,

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
-from recsys_cli.embeddings.planner import allocator_reserve, device_row_bytes, plan_placement
+from recsys_cli.embeddings.placement_search import allocator_reserve, device_row_bytes, place_tables
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 
@@ -18,21 +18,21 @@ READS = {"a": 1000, "b": 1000, "c": 5000, "d": 100}  # d: the largest and by far
 UNIQUE = {"a": 10, "c": 40}
 
 
-def plan(host_budget, precision="fp32", state=1):
+def placed(host_budget, precision="fp32", state=1):
     budget = 60 * device_row_bytes(DIM, state) + allocator_reserve(state)
-    return plan_placement(TABLES, HOT, budget, precision, state, UNIQUE, reads=READS,
+    return place_tables(TABLES, HOT, budget, precision, state, UNIQUE, reads=READS,
                           host_budget_bytes=host_budget, host_cache_ratio=0.05)
 
 
 def test_without_pressure_nothing_goes_to_disk():
-    free = plan(None)
+    free = placed(None)
     assert "disk" not in free.placements.values()
-    assert plan(free.expected_bytes["host"]).placements == free.placements  # exactly at the budget: fits
+    assert placed(free.expected_bytes["host"]).placements == free.placements  # exactly at the budget: fits
 
 
 def test_the_coldest_largest_table_goes_first_and_the_host_bytes_fit():
-    free = plan(None)
-    tight = plan(free.expected_bytes["host"] - 1)
+    free = placed(None)
+    tight = placed(free.expected_bytes["host"] - 1)
     assert tight.disk_tables == ["d"]
     assert tight.expected_bytes["host"] < free.expected_bytes["host"]
     assert tight.disk_bytes == tight.table_bytes["d"]["disk"] > 0
@@ -41,14 +41,14 @@ def test_the_coldest_largest_table_goes_first_and_the_host_bytes_fit():
 
 def test_a_host_budget_too_small_even_for_disk_is_a_clear_error():
     with pytest.raises(UserError, match=r"placement.host_memory_budget=.* is too small: with every host table on disk"):
-        plan(100)
+        placed(100)
 
 
 @pytest.mark.parametrize("precision, optimizer", [("fp32", "adagrad"), ("int8", "sgd")])
-def test_planned_bytes_match_what_the_groups_allocate(tmp_path, precision, optimizer):
+def test_placed_bytes_match_what_the_groups_allocate(tmp_path, precision, optimizer):
     state = 1 if optimizer == "adagrad" else 0
-    free = plan(None, precision, state)
-    tight = plan(free.expected_bytes["host"] - 1, precision, state)
+    free = placed(None, precision, state)
+    tight = placed(free.expected_bytes["host"] - 1, precision, state)
     assert tight.disk_tables
     placement = OmegaConf.structured(PlacementConfig(kind="lookahead", disk_path=str(tmp_path), host_cache_ratio=0.05))
     embeddings = build_embeddings(

@@ -1,4 +1,4 @@
-"""The automatic placement planner: sizes, access skew, and plans that respect the budget."""
+"""The automatic placement search: sizes, access skew, and placements that respect the budget."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
-from recsys_cli.embeddings.planner import (
-    PlacementPlan,
+from recsys_cli.embeddings.placement_search import (
+    TablePlacements,
     allocator_block_bytes,
     allocator_reserve,
     device_row_bytes,
     measure_access,
     measure_skew,
     parse_bytes,
-    plan_placement,
+    place_tables,
     rows_covering,
 )
 from recsys_cli.embeddings.table_init import TableSpec
@@ -125,7 +125,7 @@ def test_measure_skew_rejects_ids_outside_the_table():
         measure_skew([kjt], ["a"], [5])
 
 
-# --- plan_placement -------------------------------------------------------------------------
+# --- place_tables -------------------------------------------------------------------------
 def min_cache_bytes(tables, unique, state):
     return sum(min(t.num_rows, max(unique.get(t.name, 0), 1)) * device_row_bytes(t.dim, state) for t in tables)
 
@@ -158,9 +158,9 @@ def test_allocator_block_bound_covers_the_cuda_allocators_blocks():
     assert fresh_cuda_block(11 * 2**20) == 12 * 2**20 <= allocator_block_bytes(11 * 2**20)  # segment kept unsplit
 
 
-def test_random_plans_never_exceed_the_budget():
+def test_random_placements_never_exceed_the_budget():
     rng = np.random.default_rng(1234)
-    raised = planned = partial = 0
+    raised = placed_runs = partial = 0
     for _ in range(400):
         tables, hot, unique, state, precision, budget, reads = random_case(rng)
         low = min_cache_bytes(tables, unique, state)
@@ -168,63 +168,63 @@ def test_random_plans_never_exceed_the_budget():
         # The budget holds the CUDA allocator's blocks, not the tensors' bytes.
         full_blocks = sum(allocator_block_bytes(t) for t in (sum(t.num_rows * t.dim * 4 for t in tables),
                                                              sum(t.num_rows * state * 4 for t in tables)))
-        reserve = allocator_reserve(state)  # the least rounding a split plan reserves (511 B a tensor)
+        reserve = allocator_reserve(state)  # the least rounding a split placement reserves (511 B a tensor)
         if low + reserve > budget and full_blocks > budget:
             with pytest.raises(UserError, match="placement.device_memory_budget"):
-                plan_placement(tables, hot, budget, precision, state, unique, reads=reads)
+                place_tables(tables, hot, budget, precision, state, unique, reads=reads)
             raised += 1
             continue
         try:
-            plan = plan_placement(tables, hot, budget, precision, state, unique, reads=reads)
+            placed = place_tables(tables, hot, budget, precision, state, unique, reads=reads)
         except UserError:  # only where a minimum cache over 1 MiB may keep 1 MiB more of its segment
             assert full_blocks > budget and low + allocator_reserve(state, large=True) > budget
             raised += 1
             continue
-        planned += 1
+        placed_runs += 1
         device = 0
         for t in tables:
-            placement = plan.placements[t.name]
+            placement = placed.placements[t.name]
             assert placement in ("device", "lookahead")
             if placement == "device":
-                assert t.name not in plan.cache_rows
+                assert t.name not in placed.cache_rows
                 device += t.num_rows * device_row_bytes(t.dim, state)
             else:
-                rows = plan.cache_rows[t.name]
+                rows = placed.cache_rows[t.name]
                 least = min(t.num_rows, max(unique.get(t.name, 0), 1))
                 assert least <= rows < t.num_rows, (t, rows)
                 device += rows * device_row_bytes(t.dim, state)
-            assert t.name in plan.reasons and plan.reasons[t.name].startswith(t.name + ": ")
-        assert device == plan.expected_bytes["device"] <= budget
-        kinds = {p: [0, 0] for p in plan.placements.values()}
+            assert t.name in placed.reasons and placed.reasons[t.name].startswith(t.name + ": ")
+        assert device == placed.expected_bytes["device"] <= budget
+        kinds = {p: [0, 0] for p in placed.placements.values()}
         for t in tables:  # the tensors the build allocates: rows and state per placement kind
-            rows = t.num_rows if plan.placements[t.name] == "device" else plan.cache_rows[t.name]
-            kinds[plan.placements[t.name]][0] += rows * t.dim * 4
-            kinds[plan.placements[t.name]][1] += rows * state * 4
+            rows = t.num_rows if placed.placements[t.name] == "device" else placed.cache_rows[t.name]
+            kinds[placed.placements[t.name]][0] += rows * t.dim * 4
+            kinds[placed.placements[t.name]][1] += rows * state * 4
         assert sum(allocator_block_bytes(n) for sizes in kinds.values() for n in sizes) <= budget
-        assert plan.total_cache_rows == sum(plan.cache_rows.values())
-        assert set(plan.cache_rows) == {n for n, p in plan.placements.items() if p == "lookahead"}
+        assert placed.total_cache_rows == sum(placed.cache_rows.values())
+        assert set(placed.cache_rows) == {n for n, p in placed.placements.items() if p == "lookahead"}
         if full_blocks <= budget:
-            assert set(plan.placements.values()) == {"device"}
+            assert set(placed.placements.values()) == {"device"}
         else:
             partial += 1
-            assert "lookahead" in plan.placements.values()
+            assert "lookahead" in placed.placements.values()
             # Greedy leaves no room a cache could still use beyond the allocator's rounding.
-            spare = budget - allocator_reserve(state, large=True) - plan.expected_bytes["device"]
+            spare = budget - allocator_reserve(state, large=True) - placed.expected_bytes["device"]
             for t in tables:
-                if plan.placements[t.name] == "lookahead":
-                    assert spare < device_row_bytes(t.dim, state) or plan.cache_rows[t.name] >= t.num_rows - 1
-    assert raised > 20 and planned > 200 and partial > 50  # the loop covered every regime
+                if placed.placements[t.name] == "lookahead":
+                    assert spare < device_row_bytes(t.dim, state) or placed.cache_rows[t.name] >= t.num_rows - 1
+    assert raised > 20 and placed_runs > 200 and partial > 50  # the loop covered every regime
 
 
 def test_everything_on_the_device_when_it_fits():
     tables = [TableSpec("a", 1000, 16), TableSpec("b", 50_000, 16)]
     exact = (1000 + 50_000) * 16 * 4
     blocks = allocator_block_bytes(exact)  # the fused table is one tensor; the budget holds its allocator block
-    plan = plan_placement(tables, {"a": 10, "b": 100}, blocks, "int8")
-    assert plan.placements == {"a": "device", "b": "device"}
-    assert plan.cache_rows == {} and plan.total_cache_rows == 0
-    assert plan.expected_bytes == {"device": exact, "host": 0}
-    one_byte_less = plan_placement(tables, {"a": 10, "b": 100}, blocks - 1, "int8")
+    placed = place_tables(tables, {"a": 10, "b": 100}, blocks, "int8")
+    assert placed.placements == {"a": "device", "b": "device"}
+    assert placed.cache_rows == {} and placed.total_cache_rows == 0
+    assert placed.expected_bytes == {"device": exact, "host": 0}
+    one_byte_less = place_tables(tables, {"a": 10, "b": 100}, blocks - 1, "int8")
     assert one_byte_less.placements["b"] == "lookahead"
 
 
@@ -232,11 +232,11 @@ def test_raises_when_even_one_batch_per_table_does_not_fit():
     tables = [TableSpec("a", 10_000, 16), TableSpec("b", 50_000, 16)]
     need = (300 + 2000) * 16 * 4 + allocator_reserve(0)  # and the allocator's rounding of the tensors
     with pytest.raises(UserError) as e:
-        plan_placement(tables, {"a": 5000, "b": 20_000}, need - 1, batch_unique_rows={"a": 300, "b": 2000})
+        place_tables(tables, {"a": 5000, "b": 20_000}, need - 1, batch_unique_rows={"a": 300, "b": 2000})
     message = str(e.value)
     assert "placement.device_memory_budget" in message and f"{need - 1:,} bytes" in message and f"{need:,} bytes" in message
-    plan = plan_placement(tables, {"a": 5000, "b": 20_000}, need, batch_unique_rows={"a": 300, "b": 2000})
-    assert plan.cache_rows == {"a": 300, "b": 2000} and plan.expected_bytes["device"] == (300 + 2000) * 16 * 4
+    placed = place_tables(tables, {"a": 5000, "b": 20_000}, need, batch_unique_rows={"a": 300, "b": 2000})
+    assert placed.cache_rows == {"a": 300, "b": 2000} and placed.expected_bytes["device"] == (300 + 2000) * 16 * 4
 
 
 def test_small_hot_tables_go_whole_to_the_device_and_big_ones_get_their_hot_rows():
@@ -245,28 +245,28 @@ def test_small_hot_tables_go_whole_to_the_device_and_big_ones_get_their_hot_rows
     hot = {"tiny": 18, "small": 900, "huge": 120_000, "big": 5000}
     unique = {"tiny": 20, "small": 100, "huge": 2000, "big": 500}
     budget = parse_bytes("12MiB")
-    plan = plan_placement(tables, hot, budget, "int8", 1, unique)
-    assert plan.placements["tiny"] == "device" and plan.placements["small"] == "device"
-    assert plan.placements["huge"] == "lookahead" and plan.cache_rows["huge"] >= 120_000
-    assert plan.placements["big"] == "lookahead" and plan.cache_rows["big"] >= 5000
-    assert "covers" in plan.reasons["huge"] and "90 %" in plan.reasons["huge"]
-    assert plan.expected_bytes["device"] <= budget
+    placed = place_tables(tables, hot, budget, "int8", 1, unique)
+    assert placed.placements["tiny"] == "device" and placed.placements["small"] == "device"
+    assert placed.placements["huge"] == "lookahead" and placed.cache_rows["huge"] >= 120_000
+    assert placed.placements["big"] == "lookahead" and placed.cache_rows["big"] >= 5000
+    assert "covers" in placed.reasons["huge"] and "90 %" in placed.reasons["huge"]
+    assert placed.expected_bytes["device"] <= budget
     # A tight budget: the caches shrink toward one batch's rows, hot sets first.
-    tight = plan_placement(tables, hot, parse_bytes("2MiB"), "int8", 1, unique)
+    tight = place_tables(tables, hot, parse_bytes("2MiB"), "int8", 1, unique)
     assert 2000 <= tight.cache_rows["huge"] < 120_000
     assert "limited by the budget" in tight.reasons["huge"]
 
 
-def test_plan_table_renders():
+def test_placement_table_renders():
     from rich.console import Console
 
     tables = [TableSpec("a", 1000, 16), TableSpec("b", 10_000_000, 64)]
-    plan = plan_placement(tables, {"a": 100, "b": 120_000}, parse_bytes("64MiB"), "int4", 0, {"b": 2000})
+    placed = place_tables(tables, {"a": 100, "b": 120_000}, parse_bytes("64MiB"), "int4", 0, {"b": 2000})
     console = Console(record=True, width=200)
-    console.print(plan.table())
+    console.print(placed.table())
     text = console.export_text()
-    assert "lookahead" in text and "int4" in text and f"{plan.total_cache_rows:,}" in text
-    assert any("b: 10.0M rows" in line for line in plan.why_lines())
+    assert "lookahead" in text and "int4" in text and f"{placed.total_cache_rows:,}" in text
+    assert any("b: 10.0M rows" in line for line in placed.why_lines())
 
 
 @pytest.mark.parametrize(
@@ -275,7 +275,7 @@ def test_plan_table_renders():
      ("int4", "adagrad", "lru"), ("fp16", "sgd", "lfu")],
 )
 def test_expected_bytes_match_what_the_groups_allocate(precision, optimizer, policy):
-    """The plan's byte counts are what build_embeddings then allocates for it
+    """The placements' byte counts are what build_embeddings then allocates for it
     (one fused lookahead group of total_cache_rows slots beside the device tables)."""
     names, vocab, dim = ["a", "b", "c", "d"], [30, 400, 5000, 12_000], 8
     tables = [TableSpec(n, v, dim) for n, v in zip(names, vocab)]
@@ -286,17 +286,17 @@ def test_expected_bytes_match_what_the_groups_allocate(precision, optimizer, pol
     # where everything is behind the cache (device tables would be built in the
     # run's precision by build_embeddings, the lead's wiring builds them fp32).
     budget = (full // 3 if precision == "fp32" else 60 * device_row_bytes(dim, state)) + allocator_reserve(state)
-    plan = plan_placement(tables, hot, budget, precision, state, {"a": 30 if precision == "fp32" else 10, "c": 40},
+    placed = place_tables(tables, hot, budget, precision, state, {"a": 30 if precision == "fp32" else 10, "c": 40},
                           policy=policy)
     if precision != "fp32":
-        assert set(plan.placements.values()) == {"lookahead"}
+        assert set(placed.placements.values()) == {"lookahead"}
     else:
-        assert set(plan.placements.values()) == {"device", "lookahead"}
-    placement = OmegaConf.structured(PlacementConfig(kind="lookahead", cache_rows=plan.total_cache_rows, policy=policy))
+        assert set(placed.placements.values()) == {"device", "lookahead"}
+    placement = OmegaConf.structured(PlacementConfig(kind="lookahead", cache_rows=placed.total_cache_rows, policy=policy))
     embeddings = build_embeddings(
         names, vocab, dim, placement, OmegaConf.structured(PrecisionConfig(kind=precision)),
-        RowOptimizer(optimizer), torch.device("cpu"), 0, placements=plan.placements,
+        RowOptimizer(optimizer), torch.device("cpu"), 0, placements=placed.placements,
     )
     memory = embeddings.memory()
-    assert {"device": memory["device"], "host": memory["host"]} == plan.expected_bytes
-    assert isinstance(plan, PlacementPlan)
+    assert {"device": memory["device"], "host": memory["host"]} == placed.expected_bytes
+    assert isinstance(placed, TablePlacements)

@@ -25,7 +25,7 @@ dying raises within that time instead of waiting forever.
 Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
 syncs and evaluation, issued only by the main thread. ``prefetch``: always gloo
 (host tensors); the per-batch all-gather of unique row ids and, in cache_avg
-mode, rank 0's cache fills, issued only by the one thread that plans batches
+mode, rank 0's cache fills, issued only by the one thread that prepares batches
 ahead (the prefetcher thread, or UnionAhead's thread without lookahead). Keeping
 them apart keeps each group's collectives in the same order on every rank
 although two threads issue them. How the embeddings stay in step across ranks
@@ -109,7 +109,7 @@ def launched_by_agent() -> bool:
 
 def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     """Join the process group described by the environment (torchrun's or the
-    launcher's): NCCL when training on CUDA, gloo on CPU, plus the gloo plan
+    launcher's): NCCL when training on CUDA, gloo on CPU, plus the gloo prefetch
     group; both time out after `timeout_s` seconds."""
     global _context
     if dist.is_initialized():

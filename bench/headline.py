@@ -38,6 +38,7 @@ KAGGLE_ROWS = 45_840_617
 VARIANTS = {
     "fp32": [],
     "int4": ["+placement=lookahead", "placement.cache_ratio=0.01", "+precision=int4"],
+    "bf16": ["model.dense_precision=bf16"],
 }
 
 _GENERATE = r"""
@@ -95,6 +96,10 @@ def run(rows: int, scale: float, variants: list[str], batch_size: int, model: st
         summary_path = run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         train["variant"] = variant
+        # What the figures depend on beyond the variant: the thread count the run chose and its dense arithmetic.
+        train["compute_threads"] = summary.get("compute_threads")
+        train["dense_precision"] = next((a.split("=", 1)[1] for a in reversed(command)
+                                         if a.startswith("model.dense_precision=")), "fp32")
         train["summary"] = figures(summary)
         train["end_to_end_seconds"] = prep["seconds"] + train["seconds"]
         results.append(train)
@@ -168,12 +173,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                          if a != "--record")
         record("Headline: raw TSV -> preprocess -> one epoch -> test evaluation",
                ["stage", "rows", "seconds", "CPU seconds", "peak RSS MiB", "samples/s (steady)", "test AUC",
-                "end to end min", "load avg"],
+                "end to end min", "threads", "dense", "load avg"],
                [{"stage": r["stage"], "rows": args.rows, "seconds": r["seconds"], "CPU seconds": r["cpu_seconds"],
                  "peak RSS MiB": r["peak_rss_mib"],
                  "samples/s (steady)": _steady(r.get("summary", {})),
                  "test AUC": r.get("summary", {}).get("test_auc"),
                  "end to end min": r["end_to_end_seconds"] / 60 if "end_to_end_seconds" in r else None,
+                 "threads": r.get("compute_threads"), "dense": r.get("dense_precision"),
                  "load avg": r["load_avg_1m"]} for r in results],
                command.strip(),
                note="Goal: under 25 minutes end to end (preprocess + one epoch + test evaluation) in fp32 on the "

@@ -49,9 +49,9 @@ class MLPInit(Choice):
     torch = "torch"  # nn.Linear's default
 
 
-class MLPPrecision(Choice):
+class DensePrecision(Choice):
     fp32 = "fp32"
-    bf16 = "bf16"  # autocast of the MLPs (README, Speed)
+    bf16 = "bf16"  # autocast of the MLPs (README, Speed); needs a bf16 path (device.require_bf16)
 
 
 class PlacementKind(Choice):
@@ -137,7 +137,7 @@ class ModelConfig:
     # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
     # Both off by default: the default is the exact fp32 path.
     compile: bool = False
-    mlp_precision: MLPPrecision = MLPPrecision.fp32
+    dense_precision: DensePrecision = DensePrecision.fp32
 
 
 @dataclass
@@ -264,7 +264,7 @@ PRECISIONS = tuple(k.value for k in PrecisionKind)
 CHOICES: dict[str, type[Choice]] = {
     "model.interaction": Interaction,
     "model.init": MLPInit,
-    "model.mlp_precision": MLPPrecision,
+    "model.dense_precision": DensePrecision,
     "placement.kind": PlacementKind,
     "placement.policy": CachePolicy,
     "precision.kind": PrecisionKind,

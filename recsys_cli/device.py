@@ -242,6 +242,22 @@ def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
     return device
 
 
+def has_bf16_path(device: torch.device) -> bool:
+    """Whether bf16 matrix products run natively here: on CUDA the device
+    says so; on CPU oneDNN needs AVX512-BF16 or AMX (without them autocast
+    still runs, emulated and slower than fp32, which no user asks for)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def require_dense_precision(precision: str, device: torch.device) -> None:
+    """UserError for model.dense_precision=bf16 on a device without a bf16 path."""
+    if precision == "bf16" and not has_bf16_path(device):
+        raise UserError(f"model.dense_precision=bf16 but {device.type} here has no bf16 matrix path "
+                        "(CPUs need AVX512-BF16 or AMX; CUDA GPUs compute capability 8.0+): use model.dense_precision=fp32")
+
+
 def runtime_for(device: torch.device | str) -> HostRuntime:
     device = torch.device(device)
     return CudaRuntime(device) if device.type == "cuda" else HostRuntime(device)

@@ -137,7 +137,7 @@ def _grads(model: DLRM, dense, pooled, labels):
 
 
 def test_bf16_mlps_stay_close_to_fp32_and_return_fp32_logits():
-    fp32, bf16 = _small(), _small(mlp_precision="bf16")
+    fp32, bf16 = _small(), _small(dense_precision="bf16")
     g = torch.Generator().manual_seed(0)
     dense, pooled = torch.randn(64, 13, generator=g), torch.randn(64, 4, 8, generator=g)
     labels = (torch.rand(64, generator=g) < 0.3).float()
@@ -148,8 +148,8 @@ def test_bf16_mlps_stay_close_to_fp32_and_return_fp32_logits():
     assert abs(loss32 - loss16) < 2e-2
     assert torch.allclose(pooled16, pooled32, rtol=0.1, atol=1e-3)
     assert all(b.dtype == torch.float32 for b in grads16)  # parameters stay fp32 (autocast)
-    with pytest.raises(ValueError, match="mlp_precision"):
-        _small(mlp_precision="fp8")
+    with pytest.raises(ValueError, match="dense_precision"):
+        _small(dense_precision="fp8")
 
 
 def test_compiled_dense_step_matches_eager_closely():

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import recsys_cli.device as device_module
+from recsys_cli.device import has_bf16_path
 from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
@@ -105,6 +107,32 @@ def assert_states_equal(a, b):
         for k, v in tensors.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, b["tables"][name][k]), (name, k)
+
+
+@pytest.mark.skipif(not has_bf16_path(torch.device("cpu")), reason="this CPU has no bf16 matrix path")
+def test_bf16_dense_is_deterministic_and_resumes_exactly(cache_dir, tmp_path):
+    """model.dense_precision=bf16 is not fp32's arithmetic, but it keeps the
+    run-to-run and resume guarantees (README, Speed)."""
+    steps = dict(trainer__max_steps=60, model__dense_precision="bf16", placement__kind="lookahead",
+                 placement__cache_rows=3000)
+    full = train(config(cache_dir, **steps))
+    again = train(config(cache_dir, **steps))
+    assert again.step_losses == full.step_losses
+    assert_states_equal(state_of(again), state_of(full))
+    fp32 = train(config(cache_dir, **{**steps, "model__dense_precision": "fp32"}))
+    assert fp32.step_losses != full.step_losses  # the MLPs really ran in bf16
+    part = train(config(cache_dir, **{**steps, "trainer__max_steps": 40}, trainer__checkpoint_dir=str(tmp_path / "ck")))
+    resumed = train(config(cache_dir, **steps, trainer__checkpoint_dir=str(tmp_path / "ck"), trainer__resume="true"))
+    assert part.step == 40 and resumed.step == 60
+    assert resumed.step_losses == full.step_losses[40:]
+    assert_states_equal(state_of(resumed), state_of(full))
+
+
+def test_bf16_dense_is_refused_where_the_hardware_has_no_bf16_path(cache_dir, monkeypatch):
+    monkeypatch.setattr(device_module, "has_bf16_path", lambda device: False)
+    with pytest.raises(UserError, match=r"^model.dense_precision=bf16 but cpu here has no bf16 matrix path"):
+        Trainer(config(cache_dir, model__dense_precision="bf16", trainer__device="cpu"))
+    Trainer(config(cache_dir, trainer__device="cpu"))  # fp32 needs no bf16 path
 
 
 @pytest.mark.parametrize("first, second", [("device", "device"), ("lookahead", "device"), ("device", "cache")])

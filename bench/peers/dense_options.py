@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.peers.dense_options [--batch 256] [--rows 200000]
 
 Variants: fp32 (the default, exact), fp32 + model.compile=true, bf16
-(model.mlp_precision=bf16) and bf16 + compile. Each is a recsys Trainer on
+(model.dense_precision=bf16) and bf16 + compile. Each is a recsys Trainer on
 the same data with the same seed; they train one epoch on the same loader
 batches in alternating chunks (one compute thread), so each chunk's
 samples/s ratio to fp32 shares the machine's load. Then every variant
@@ -27,8 +27,8 @@ from bench.peers.systems import Recsys, Setup, dataset_dir, shapes_of
 VARIANTS = {
     "fp32": (),
     "fp32+compile": ("model.compile=true",),
-    "bf16": ("model.mlp_precision=bf16",),
-    "bf16+compile": ("model.mlp_precision=bf16", "model.compile=true"),
+    "bf16": ("model.dense_precision=bf16",),
+    "bf16+compile": ("model.dense_precision=bf16", "model.compile=true"),
 }
 
 

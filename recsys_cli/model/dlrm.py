@@ -30,7 +30,7 @@ from recsys_cli.model.linear import Linear
 
 INTERACTIONS = ("dot", "cat", "dcn")
 INITS = ("dlrm", "torch")
-MLP_PRECISIONS = ("fp32", "bf16")
+DENSE_PRECISIONS = ("fp32", "bf16")
 
 
 def mlp(sizes: list[int], final_relu: bool) -> nn.Sequential:
@@ -81,10 +81,10 @@ class DLRM(nn.Module):
     def __init__(
         self, num_dense: int, embeddings: EmbeddingBagCollection, bottom_mlp: list[int], top_mlp: list[int],
         interaction: str = "dot", init: str = "dlrm", dcn_layers: int = 3, dcn_rank: int = 512, seed: int = 0,
-        compile: bool = False, mlp_precision: str = "fp32",
+        compile: bool = False, dense_precision: str = "fp32",
     ) -> None:
         """compile: training steps run the dense half (MLPs, interaction)
-        through torch.compile; mlp_precision=bf16: the MLPs run under bf16
+        through torch.compile; dense_precision=bf16: the MLPs run under bf16
         autocast (the interaction and the logits stay fp32). Both opt-in: the
         default path is the exact fp32 one that the tests hold to."""
         super().__init__()
@@ -92,9 +92,9 @@ class DLRM(nn.Module):
             raise ValueError(f"unknown interaction {interaction!r}")
         if init not in INITS:
             raise ValueError(f"unknown init {init!r}")
-        if mlp_precision not in MLP_PRECISIONS:
-            raise ValueError(f"unknown mlp_precision {mlp_precision!r}")
-        self.mlp_precision = mlp_precision
+        if dense_precision not in DENSE_PRECISIONS:
+            raise ValueError(f"unknown dense_precision {dense_precision!r}")
+        self.dense_precision = dense_precision
         self.compile_steps = compile
         self._compiled = None  # made on the first training step
         self.embeddings = embeddings
@@ -142,7 +142,7 @@ class DLRM(nn.Module):
         return self._dense_forward(dense, pooled)
 
     def _dense_forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        if self.mlp_precision == "fp32":
+        if self.dense_precision == "fp32":
             return self.top(self.interact(self.bottom(dense), pooled)).squeeze(1)
         with torch.autocast(dense.device.type, dtype=torch.bfloat16):
             bottom = self.bottom(dense)

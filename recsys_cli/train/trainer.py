@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from recsys_cli.config import validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.device import allocated_by, resolve_device, runtime_for
+from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.errors import UserError
@@ -57,6 +57,7 @@ class Trainer:
         tc = cfg.trainer
         self.dist = distributed.current()  # world_size 1 unless a process group is up
         self.device = resolve_device(tc.device, one_of_many=self.dist.enabled)  # one device per process
+        require_dense_precision(cfg.model.dense_precision, self.device)  # before any table is built
         self.data = data = training_data(cfg)
         features, vocab_sizes = data.features, data.vocab_sizes
 
@@ -86,7 +87,7 @@ class Trainer:
         self.model = DLRM(
             len(data.manifest.dense_features), embeddings, list(cfg.model.bottom_mlp), list(cfg.model.top_mlp),
             cfg.model.interaction, cfg.model.init, cfg.model.dcn_layers, cfg.model.dcn_rank, seed=tc.seed,
-            compile=cfg.model.compile, mlp_precision=cfg.model.mlp_precision,
+            compile=cfg.model.compile, dense_precision=cfg.model.dense_precision,
         ).to(self.device)
         self.embeddings = embeddings
         self.row_optimizer = row_optimizer

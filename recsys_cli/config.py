@@ -108,6 +108,21 @@ class LoggerKind(Choice):
     tensorboard = "tensorboard"
 
 
+class MonitorMetric(Choice):
+    """A validation metric the loop may watch (train/loop_control.py)."""
+
+    auc = "auc"
+    accuracy = "accuracy"
+    logloss = "logloss"
+    normalized_entropy = "normalized_entropy"
+
+
+class MonitorMode(Choice):
+    auto = "auto"  # the metric's own direction: auc and accuracy max, logloss and normalized_entropy min
+    max = "max"
+    min = "min"
+
+
 @dataclass
 class DatasetConfig:
     name: str = "synthetic"
@@ -246,6 +261,24 @@ class TrainerConfig:
     # metrics.jsonl is always written; tensorboard also writes the same scalars
     # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
     logger: LoggerKind = LoggerKind.jsonl
+    # The last partial batch of each epoch: dropped (true, the loader's
+    # default, said at start-up) or trained on as a smaller batch (false).
+    drop_last: bool = True
+    # Validation at the end of every epoch (besides every eval_every steps
+    # and the end of the run).
+    eval_each_epoch: bool = True
+    # Checkpoints kept: the newest keep_last, and with keep_best the one of the
+    # best validation `monitor` so far (checkpoints/best.json names it).
+    keep_last: int = 2
+    keep_best: bool = False
+    monitor: MonitorMetric = MonitorMetric.auc
+    monitor_mode: MonitorMode = MonitorMode.auto
+    # Stop when `monitor` has not improved by more than early_stop_min_delta
+    # in early_stop_patience validations (Lightning's EarlyStopping); stop
+    # when the validation AUC reaches stop_at_auc (dlrm's --mlperf-auc-threshold).
+    early_stop_patience: Optional[int] = None
+    early_stop_min_delta: float = 0.0
+    stop_at_auc: Optional[float] = None
 
 
 @dataclass
@@ -275,6 +308,8 @@ CHOICES: dict[str, type[Choice]] = {
     "trainer.device": DeviceChoice,
     "trainer.embedding_sync": EmbeddingSyncMode,
     "trainer.logger": LoggerKind,
+    "trainer.monitor": MonitorMetric,
+    "trainer.monitor_mode": MonitorMode,
 }
 
 
@@ -355,7 +390,17 @@ RANGES: dict[str, Range] = {
     "trainer.dist_timeout": POSITIVE,  # seconds
     "trainer.threads": Range(1, unset=True),  # unset: the cores left to compute (train/threads.py)
     "trainer.loader_queue_depth": COUNT,
+    "trainer.keep_last": COUNT,
+    "trainer.early_stop_patience": Range(1, unset=True),  # validations without improvement; unset: never stop
+    "trainer.early_stop_min_delta": Range(0),
+    "trainer.stop_at_auc": Range(0, open_low=True, high=1, unset=True),
 }
+
+
+# A partial global batch would give the ranks unequal (or empty) slices,
+# which the gradient average and the row planning of the strategies assume away.
+DROP_LAST_RANKS = ("trainer.drop_last=false trains on the last partial batch in one process only; "
+                   "with several processes keep trainer.drop_last=true")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -385,6 +430,8 @@ def validate(cfg: Any) -> None:
             f"model.bottom_mlp ends in {cfg.model.bottom_mlp[-1]} but the dot interaction needs "
             f"model.embedding_dim={cfg.model.embedding_dim}"
         )
+    if not cfg.trainer.drop_last and cfg.trainer.nproc > 1:
+        raise UserError(DROP_LAST_RANKS)
     if cfg.model.top_mlp[-1] != 1:
         raise UserError(f"model.top_mlp must end in 1 (one logit), got {list(cfg.model.top_mlp)}")
 

@@ -24,10 +24,15 @@ from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
 from recsys_cli.errors import UserError, warn, write_error
 
 LATEST = "latest.json"
+BEST = "best.json"  # trainer.keep_best: the checkpoint of the best validation so far
+
+
+def step_file(step: int) -> str:
+    return f"step-{step:08d}.pt"
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
-    path = directory / f"step-{step:08d}.pt"
+    path = directory / step_file(step)
     tmp = directory / f".{path.name}.tmp"
     latest_tmp = directory / f".{LATEST}.tmp"
     writing = path
@@ -59,11 +64,48 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         raise write_error(writing, failed, f"{_space_needed(directory, kept, written)}; {then}") from None
     for table in disk_tables:  # the checkpoint is in place: disk chains continue from it
         table.committed()
-    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
-    if disk_tables or (directory / "disk").is_dir():
-        collect_garbage(directory)
+    prune(directory, keep)
     return path
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints and the one best.json names."""
+    best = best_file(directory)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        if old.name != best:
+            old.unlink(missing_ok=True)
+    if (directory / "disk").is_dir():
+        collect_garbage(directory)
+
+
+def best_file(directory: Path | None) -> str | None:
+    """The checkpoint file best.json names (None: no best yet)."""
+    path = Path(directory) / BEST if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["file"]
+    except (ValueError, KeyError):
+        return None
+
+
+def best_step(directory: Path) -> int | None:
+    name = best_file(directory)
+    return int(name[len("step-"):-len(".pt")]) if name else None
+
+
+def mark_best(directory: Path, step: int, metric: str, mode: str, value: float, keep: int) -> None:
+    """best.json names the checkpoint of `step` (written to a temporary name
+    and renamed); the previous best goes unless it is among the newest `keep`."""
+    tmp = directory / f".{BEST}.tmp"
+    try:
+        tmp.write_text(json.dumps({"file": step_file(step), "step": step, "metric": metric, "mode": mode,
+                                   "value": value}))
+        os.replace(tmp, directory / BEST)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(directory / BEST, e) from None
+    prune(directory, keep)
 
 
 def _os_error(e: BaseException) -> OSError | None:

@@ -60,6 +60,12 @@ def summary_table(summary: dict) -> Table:
         add("dedup batches", "whole sessions" if summary.get("session_shuffle")
             else "shuffled samples (no session column)")
     add("steps", f"{summary['steps']:,}")
+    loop = summary.get("loop") or {}
+    if loop.get("stopped"):
+        add("stopped early", f"at step {loop['stopped']['step']:,}: {loop['stopped']['reason']}")
+    if loop.get("best_checkpoint"):
+        add(f"best val {loop['monitor']} (checkpoint)", f"{loop['best']:.4f} at step {loop['best_step']:,} "
+                                                        f"({loop['best_checkpoint']})")
     tp = summary["throughput"]
     steady = summary["samples_per_second"]
     add(f"samples/s, steady state (after {tp['warmup_steps']} warm-up steps, without eval and checkpoints)",

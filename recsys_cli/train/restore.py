@@ -38,6 +38,7 @@ class Resumed:
     metrics: list[dict] | None  # metrics.jsonl up to the step (None: a checkpoint older than saved metrics)
     running_loss: torch.Tensor | None
     running_steps: int
+    loop: dict | None = None  # the loop rules' state (loop_control.py); None: a checkpoint older than them
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     torch.set_rng_state(state["torch_rng"])
     loss, steps = state["running_loss"] if "metrics" in state else (None, 0)
     return Resumed(path, state["step"], state["epoch"], state["batch_in_epoch"], state["samples"],
-                   state.get("metrics"), loss, steps)
+                   state.get("metrics"), loss, steps, state.get("loop"))
 
 
 def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple[Path, int]:

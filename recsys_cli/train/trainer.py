@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from recsys_cli.config import validate
+from recsys_cli.config import DROP_LAST_RANKS, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for
@@ -34,6 +34,7 @@ from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.auto_placement import auto_placement
 from recsys_cli.train.loggers import make_log
+from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
 from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
 from recsys_cli.train.progress import TrainProgress
@@ -110,10 +111,18 @@ class Trainer:
             transform = lambda batch: pin(embeddings.plan_batch(batch))  # noqa: E731
         loader_args = dict(transform=transform, dedup=cfg.dedup.enabled, queue_depth=tc.loader_queue_depth,
                            rank=self.dist.rank, world_size=self.dist.world_size)  # each rank: its slice of a global batch
+        if not tc.drop_last and self.dist.enabled:
+            raise UserError(DROP_LAST_RANKS)
         self.train_loader = ShardLoader(
-            data.directory, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=True,
+            data.directory, "train", tc.batch_size, shuffle=True, seed=tc.seed, drop_last=tc.drop_last,
             keep_sessions=data.keep_sessions, **loader_args,
         )
+        left_out = self.train_loader.num_rows % tc.batch_size
+        if tc.drop_last and left_out and self.console is not None and self.dist.is_main:
+            self.console.print(f"trainer.drop_last=true: each epoch leaves out its last {left_out:,} of "
+                               f"{self.train_loader.num_rows:,} train rows (a partial batch; which rows, the epoch's "
+                               "shuffle decides); trainer.drop_last=false trains on them as a smaller batch",
+                               soft_wrap=True, highlight=False)
         splits = data.manifest.splits
         self.eval_loaders = {
             split: ShardLoader(data.directory, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
@@ -127,6 +136,10 @@ class Trainer:
                 f"trainer.batch_size={tc.batch_size}"
             )
         self.schedule = LRSchedule.from_config(opt, self.total_steps)
+        self.control = LoopControl(tc)  # best checkpoint, early stopping, AUC threshold
+        self.check_loop_rules()
+        self.stopping = False
+        self.last_validation: tuple[int, dict] | None = None
 
         self.timer = PhaseTimer(self.device, self.runtime)
         self.rss = RSSTrace()  # summary.json's memory: RSS at every log step
@@ -155,6 +168,7 @@ class Trainer:
                             "give one of them")
         if tc.resume:
             self.resume(tc.resume)
+            self.mark_best_after_resume()
         elif tc.init_from:
             self.init_from(tc.init_from)
         # How this process trains with the others (alone, grad or cache_avg): after a resume,
@@ -173,12 +187,12 @@ class Trainer:
         bar = tc.progress and self.dist.is_main and (self.console is None or self.console.is_terminal)
         self.progress = progress = TrainProgress(self.total_steps, self.step, enabled=bar, console=self.console)
         lines = StepLines(self.run_log, self.total_steps, self.step)
-        last_log = time.perf_counter()
+        last_log, last_samples = time.perf_counter(), self.samples
         start = time.perf_counter()
         self.throughput = ThroughputMeter(self.total_steps - self.step, sync=self.runtime.current_stream().synchronize)
         self.throughput.start(self.samples)
         with progress:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self.stopping:
                 batches = self.epoch_batches()
                 while True:
                     with self.timer.phase("data_wait"):
@@ -196,22 +210,24 @@ class Trainer:
                         self.timer.collect()  # read the phase events here, where the loss is read anyway
                         self.check_finite(mean_loss)
                         now = time.perf_counter()
-                        rate = self.running_steps * tc.batch_size / (now - last_log)
+                        rate = (self.samples - last_samples) / (now - last_log)  # a partial batch counts its rows
                         self.log.write(self.step_record(mean_loss, rate))
                         self.rss.sample(self.step)
                         progress.update(self.step, mean_loss, rate)
                         lines.step(self.step, self.epoch, mean_loss, rate)
                         self.running_loss.zero_()
-                        self.running_steps, last_log = 0, now
-                    if tc.eval_every and self.step % tc.eval_every == 0 and self.step < self.total_steps:
+                        self.running_steps, last_log, last_samples = 0, now, self.samples
+                    epoch_end = tc.eval_each_epoch and self.batch_in_epoch >= self.train_loader.num_batches
+                    if ((tc.eval_every and self.step % tc.eval_every == 0) or epoch_end) and self.step < self.total_steps \
+                            and "val" in self.eval_loaders:
                         with self.throughput.paused("eval"):
-                            self.evaluate_and_log("val")
-                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0:
+                            self.validate()
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.saved_step != self.step:
                         self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         with self.throughput.paused("checkpoint"):
                             self.save()
                     self.feed.passed(self.step)  # the prefetcher may fill the next step's batch
-                    if self.step >= self.total_steps:
+                    if self.step >= self.total_steps or self.stopping:
                         batches.close()
                         break
             self.throughput.end_training(self.samples)
@@ -222,7 +238,8 @@ class Trainer:
                 with self.throughput.paused("checkpoint"):
                     self.save()
             with self.throughput.paused("eval"):
-                final = {split: self.evaluate_and_log(split) for split in self.eval_loaders}
+                final = {split: self.final_validation() if split == "val" else self.evaluate_and_log(split)
+                         for split in self.eval_loaders}
         self.progress = None
         return self.summary(final)
 
@@ -365,6 +382,60 @@ class Trainer:
         # The whole split: every rank's predictions.
         return self.strategy.gather_predictions(*predictions.result())
 
+    def check_loop_rules(self) -> None:
+        """The rules that act on validations need validations to act on."""
+        tc = self.cfg.trainer
+        rules = [k for k, on in (("keep_best", tc.keep_best), ("early_stop_patience", tc.early_stop_patience),
+                                 ("stop_at_auc", tc.stop_at_auc)) if on]
+        if rules and "val" not in self.eval_loaders:
+            raise UserError(f"trainer.{rules[0]} decides on validations, but {self.data.directory} has no val rows")
+        stops = [r for r in rules if r != "keep_best"]
+        if stops and not tc.eval_every and not (tc.eval_each_epoch and tc.epochs > 1):
+            raise UserError(f"trainer.{stops[0]} stops on a validation during the run: set trainer.eval_every=N "
+                            "(or train several epochs with trainer.eval_each_epoch=true)")
+
+    def validate(self, final: bool = False) -> dict:
+        """Evaluate the val split and let the loop rules decide: a new best
+        checkpoint (keep_best), a stop (early stopping, stop_at_auc). The
+        final validation may mark the best, not stop."""
+        result = self.evaluate_and_log("val")
+        self.last_validation = (self.step, result)
+        decision = self.control.after_validation(self.step, result)
+        tc = self.cfg.trainer
+        if decision.improved and tc.keep_best and self.checkpoint_dir is not None:
+            if self.saved_step != self.step:
+                with self.throughput.paused("checkpoint"):
+                    self.save()
+            self.mark_best()
+        if decision.stop and not final:
+            self.stopping = True
+            self.run_log.line(f"stopping at step {self.step}: {decision.stop}")
+            if self.console is not None and self.dist.is_main and self.console.is_terminal:
+                self.console.print(f"stopping at step {self.step}: {decision.stop}", soft_wrap=True, highlight=False)
+        return result
+
+    def final_validation(self) -> dict:
+        """The end of the run's val result: a run that stopped on a validation
+        has it already (the same step, the same weights)."""
+        if self.last_validation is not None and self.last_validation[0] == self.step:
+            return self.last_validation[1]
+        return self.validate(final=True)
+
+    def mark_best(self) -> None:
+        """checkpoints/best.json names this step's checkpoint (rank 0 writes)."""
+        if self.dist.is_main:
+            ckpt.mark_best(self.checkpoint_dir, self.step, self.control.metric, self.control.mode, self.control.best,
+                           keep=self.cfg.trainer.keep_last)
+
+    def mark_best_after_resume(self) -> None:
+        """A run killed between saving a new best and naming it in best.json
+        names it now: the checkpoint's loop state knows which step it was."""
+        best = self.control.best_step
+        if self.cfg.trainer.keep_best and best is not None and self.checkpoint_dir is not None and self.dist.is_main:
+            if ckpt.best_step(self.checkpoint_dir) != best and (self.checkpoint_dir / ckpt.step_file(best)).is_file():
+                ckpt.mark_best(self.checkpoint_dir, best, self.control.metric, self.control.mode, self.control.best,
+                               keep=self.cfg.trainer.keep_last)
+
     def evaluate_and_log(self, split: str) -> dict:
         rows = self.eval_loaders[split].num_rows
         self.run_log.line(f"eval {split} at step {self.step}: {rows:,} rows")
@@ -396,6 +467,7 @@ class Trainer:
             "table_tiers": {t.name: g.store_tier for g in self.embeddings.groups for t in g.tables},
             "metrics": list(self.log.lines),  # metrics.jsonl up to here: a resumed run rewinds it
             "running_loss": (self.running_loss.cpu(), self.running_steps),  # the next log line's mean
+            "loop": self.control.state_dict(),  # best so far, validations since: a resume decides the same
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),  # plain words, no Enum classes
         }
 
@@ -404,7 +476,8 @@ class Trainer:
             return None
         self.saved_step = self.step
         # Distributed: rank 0 writes (every rank restores), the others wait for it.
-        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict()))
+        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(),
+                                                                      keep=self.cfg.trainer.keep_last))
         return_free_memory()  # the save's buffers, as after an evaluation
         return path
 
@@ -416,6 +489,7 @@ class Trainer:
         path = restore.resume_path(resume, self.checkpoint_dir, self.run_dir)
         at = restore.resume(path, self.cfg, self.data, self.restorable())
         self.step, self.epoch, self.batch_in_epoch, self.samples = at.step, at.epoch, at.batch_in_epoch, at.samples
+        self.control.load_state_dict(at.loop)
         if at.metrics is not None:
             self.log.restore(at.metrics)
             self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
@@ -461,6 +535,9 @@ class Trainer:
                 "placements": self.auto_placement.placements, "cache_rows": self.auto_placement.cache_rows, "reasons": self.auto_placement.reasons,
             },
             "duplication": self.duplication(),
+            # best validation so far, and why the run stopped before its last step (if it did)
+            "loop": {**self.control.report(), "best_checkpoint": ckpt.best_file(self.checkpoint_dir),
+                     "drop_last": cfg.trainer.drop_last},
             "train_calibration": self.train_calibration(),
             "config": OmegaConf.to_container(cfg, resolve=True),
         }

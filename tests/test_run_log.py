@@ -49,14 +49,21 @@ def test_redirected_run_logs_every_log_every_steps_to_stdout_and_app_log(tmp_pat
     assert [p.split()[1] for p in phases[:3]] == ["loaded", "traced", "wrote"]
 
 
-def test_progress_false_keeps_the_log_file_and_quiets_stdout(tmp_path):
-    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run([RECSYS, "train", *SMALL, "trainer.max_steps=20", "trainer.log_every=10",
-                             "trainer.progress=false", "hydra.run.dir=run"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "step 10/20" not in result.stdout
-    assert "step 10/20" in (tmp_path / "run" / "app.log").read_text()
+def test_progress_false_keeps_the_log_lines_and_quiets_stdout(tmp_path, caplog):
+    """In process: the lines reach the run logger (app.log under Hydra), not the console."""
+    import logging
+
+    from rich.console import Console
+
+    from recsys_cli.train.run_log import LOGGER
+    from recsys_cli.train.trainer import Trainer
+    from train_config import config
+
+    console = Console(record=True, width=200, force_terminal=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        Trainer(config(tmp_path, trainer__max_steps=20, trainer__log_every=10), console=console).fit()
+    assert "step 10/20" not in console.export_text()
+    assert any(r.getMessage().startswith("step 10/20 (50 %)") for r in caplog.records)
 
 
 PROBE = """

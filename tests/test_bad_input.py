@@ -390,6 +390,8 @@ def test_config_errors_exit_2_on_one_line(tmp_path, override, needle):
 @pytest.mark.parametrize("override, message", [
     ("trainer.loader_queue_depth=0", "trainer.loader_queue_depth must be >= 1, got 0"),  # was a ValueError traceback
     ("optimizer.lr=inf", "optimizer.lr must be > 0, got inf"),  # a non-finite rate: refused before any step
+    ("optimizer.lr=nan", "optimizer.lr must be > 0, got nan"),
+    ("optimizer.lr=0", "optimizer.lr must be > 0, got 0"),
 ])
 def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, message):
     r = recsys("train", override, "trainer.progress=false", "hydra.run.dir=run", cwd=tmp_path)

@@ -115,3 +115,71 @@ def test_the_issues_command_on_the_default_data(tmp_path):
     """`recsys train +placement=lookahead +precision=int8 placement.cache_ratio=0.01`, shortened."""
     check_combination(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.01"],
                       steps=200, data=[])
+
+
+def sigterm_then_resume(tmp_path: Path, args: list[str], steps: int) -> int:
+    """Run `args` uninterrupted ("a"), and again with a SIGTERM to the recsys
+    process once its first log line is out ("term"); resume that run and
+    check it ends where "a" does, tensor for tensor. The step it stopped at."""
+    args = [*SMALL, *COMMON, "trainer.checkpoint_every=100000", f"trainer.max_steps={steps}", *args]
+    work = tmp_path / "work"
+    work.mkdir()
+    recsys(args, work, "a")
+    env = {**os.environ, "RECSYS_CACHE": str(work.parent / "cache")}
+    proc = subprocess.Popen([RECSYS, "train", *args, "hydra.run.dir=term"], cwd=work, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = work / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]  # preemption.EXIT_STATUS
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]  # rank 0's, if several
+    stopped = json.loads((work / "term" / "checkpoints" / "latest.json").read_text())["step"]
+    assert 10 <= stopped < steps, "the run finished before the signal"
+    assert stderr.strip() == (f"preempted: SIGTERM: stopped after step {stopped} of {steps} and saved "
+                              f"{work / 'term' / 'checkpoints' / f'step-{stopped:08d}.pt'}; continue with "
+                              "trainer.resume=true (same overrides)")
+    assert not (work / "term" / "summary.json").exists()  # the run did not finish
+    recsys([*args, "trainer.resume=true"], work, "term")
+    assert_identical(final_checkpoint(work / "a", steps), final_checkpoint(work / "term", steps))
+    assert records(work / "term") == records(work / "a")
+    return stopped
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path):
+    """SIGTERM killed the run at once, losing the work since the last checkpoint
+    (issue 27). Lookahead + int8 behind a small cache: the checkpoint at the
+    step the prefetcher had not yet filled past resumes bit for bit."""
+    sigterm_then_resume(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.05",
+                                   "trainer.batch_size=64"], steps=50)
+
+
+@pytest.mark.slow  # several processes
+def test_sigterm_to_two_processes_stops_both_at_one_step_and_resumes_exactly(tmp_path):
+    sigterm_then_resume(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.05",
+                                   "trainer.nproc=2", "trainer.batch_size=64"], steps=50)
+
+
+SIGTERM_TWICE = """
+import os, signal, sys, time
+from recsys_cli.train.preemption import DUPLICATE_S, SigtermFlag
+with SigtermFlag() as flag:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same preemption delivered twice (scheduler and torchrun): one
+    time.sleep(0.05)
+    print("flagged" if flag.requested else "missed", flush=True)
+    time.sleep(DUPLICATE_S + 0.1)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM: the process ends at once
+    time.sleep(30)
+    print("survived", flush=True)
+"""
+
+
+def test_a_second_sigterm_exits_at_once():
+    started = time.time()
+    r = subprocess.run([sys.executable, "-c", SIGTERM_TWICE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["flagged"]
+    assert time.time() - started < 20

@@ -12,8 +12,12 @@ with. The trainer releases a batch's pins after its update.
 Pauses: before the batch of a step listed by `pause_at` (evaluation and
 checkpoint steps), the thread waits until the trainer has passed that step
 (`passed`), so an evaluation reads, and a checkpoint saves, a cache with no
-batch of a later step in it. An exception on the thread is raised in the
-trainer; leaving early releases what was prefetched but never trained on.
+batch of a later step in it. A stop the trainer decides while training
+(preemption: train/preemption.py) is a pause too: `hold` stops the thread
+before its next batch and says the first step it has not prepared, and
+`stop_after(step)` lets it go on up to that step, where it pauses. An
+exception on the thread is raised in the trainer; leaving early releases
+what was prefetched but never trained on.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class Prefetcher:
         self._step = start  # step of the next batch to prepare
         self._passed = start
         self._passed_cond = threading.Condition()
+        self._checked = start  # the first step not yet cleared to prepare
+        self._held = False  # hold(): clear no further step until stop_after()
+        self._stop_after: int | None = None  # a pause the trainer added while training
         self._stop = threading.Event()
         self._thread: BackgroundIterator | None = None
 
@@ -89,15 +96,32 @@ class Prefetcher:
         """Handle a control item on the trainer's thread."""
         raise TypeError(f"unexpected item in the batch feed: {item!r}")
 
-    def _wait_pause(self, step: int) -> bool:
-        """False if stopped while waiting for the trainer to pass `step`."""
-        if self.pause_at is None or not self.decides_residency or not self.pause_at(step):
-            return True
+    def hold(self) -> int:
+        """Prepare no batch past those already cleared until stop_after();
+        returns the first step whose batch is not cleared (the earliest step
+        after which the cache holds no later batch)."""
         with self._passed_cond:
-            while self._passed < step:
-                if self._stop.is_set():
-                    return False
-                self._passed_cond.wait(timeout=0.1)
+            self._held = True
+            return self._checked
+
+    def stop_after(self, step: int) -> None:
+        """Go on preparing up to `step` (>= hold()'s answer) and pause there."""
+        with self._passed_cond:
+            self._stop_after, self._held = step, False
+            self._passed_cond.notify_all()
+
+    def _pauses(self, step: int) -> bool:
+        return step == self._stop_after or (self.pause_at is not None and self.pause_at(step))
+
+    def _wait_pause(self, step: int) -> bool:
+        """False if stopped while waiting for the trainer to pass `step` (or to release a hold)."""
+        with self._passed_cond:
+            if self.decides_residency:  # a follower replays rank 0's fills: rank 0 pauses for it
+                while self._held or (self._pauses(step) and self._passed < step):
+                    if self._stop.is_set():
+                        return False
+                    self._passed_cond.wait(timeout=0.1)
+            self._checked = step + 1
         return True
 
     def _produce(self) -> Iterator:

@@ -16,6 +16,7 @@ from recsys_cli.config import register_configs
 from recsys_cli.config_groups import group_overrides
 from recsys_cli.errors import UserError, fail, write_error
 from recsys_cli.train import rundir
+from recsys_cli.train.preemption import Preempted, say_preempted  # no torch
 
 # Nothing here imports torch at module level: a bad config is reported
 # before the heavy modules load (check_overrides validates it first).
@@ -49,6 +50,8 @@ def train_main(cfg: DictConfig) -> float | None:
             return _train(cfg, run_dir)
     except UserError as e:
         fail(str(e))
+    except Preempted as e:  # one process; ranks report their own (distributed_app)
+        say_preempted(str(e))
 
 
 def save_hydra_config(cfg: DictConfig, directory: Path) -> None:

@@ -61,6 +61,9 @@ AGENT_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # tables may take far longer than a step's dist_timeout. A rank 0 that dies
 # meanwhile is noticed by the launcher (it stops the others), not by this timeout.
 CHECKPOINT_WAIT_S = 24 * 3600.0
+# How long `recsys train trainer.nproc=N`, sent SIGTERM, waits for its workers
+# to stop with a checkpoint before it kills them.
+PREEMPTION_WAIT_S = 120
 
 
 @dataclass
@@ -136,6 +139,16 @@ def checkpoint_barrier() -> None:
     checkpoint group's long timeout, not the step's)."""
     if _context.enabled:
         dist.barrier(group=_context.checkpoint_group)
+
+
+def agree_max(value: int) -> int:
+    """The largest of every rank's `value`, on every rank (the checkpoint
+    group: gloo on the host, so a per-step call costs no device sync)."""
+    if not _context.enabled:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_context.checkpoint_group)
+    return int(box[0])
 
 
 def teardown() -> None:
@@ -307,9 +320,15 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"recsys-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=monitor_interval, start_method="spawn",
+        # On SIGTERM the agent passes it to the workers and waits this long for
+        # them to finish the step and write their checkpoint (train/preemption.py).
+        shutdown_timeout=PREEMPTION_WAIT_S,
     )
     # The agent logs every failure with its traceback; WorkerFailed carries both.
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    # (and its warning that it passes a SIGTERM on: rank 0 says where the run stopped).
+    names = ("torch.distributed.elastic", "torch.multiprocessing")
+    quiet = [logging.getLogger(name) for name in [*names, *(n for n in logging.root.manager.loggerDict
+                                                            if n.startswith(tuple(f"{m}." for m in names)))]]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)

@@ -9,12 +9,15 @@ strategies -> distributed.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from recsys_cli.errors import UserError
+from recsys_cli.train.preemption import EXIT_STATUS, Preempted, say_preempted
 from recsys_cli.train.distributed import WorkerFailed, broadcast_object, init, launch, launched_by_agent, teardown
 
 
@@ -33,7 +36,12 @@ def train(cfg, run_dir: Path | None) -> dict:
         shared = broadcast_object(str(run_dir) if run_dir is not None else None)
         run_dir = Path(shared) if shared is not None else None
         console = Console() if ctx.is_main else None
-        summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
+        try:
+            summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
+        except Preempted as e:  # every rank stopped at the same step; rank 0 wrote the checkpoint
+            if ctx.is_main:
+                say_preempted(str(e))
+            sys.exit(EXIT_STATUS)
         if console is not None:
             console.print(summary_table(summary))
             console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
@@ -104,9 +112,19 @@ def train_app(cfg, run_dir: Path) -> float | None:
     job_logging = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True) if HydraConfig.initialized() else None
     from torch.distributed.elastic.multiprocessing import SignalException
 
+    started = time.time()
     try:
         results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir), job_logging)
     except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
+        if e.sigval == signal.SIGTERM:  # the agent passed it on: the workers stopped at a step with a checkpoint
+            from recsys_cli.train.checkpoint import newest_checkpoint
+
+            directory = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else run_dir / "checkpoints"
+            newest = newest_checkpoint(directory) if directory.is_dir() else None
+            if newest is not None and newest.stat().st_mtime >= started:
+                sys.exit(EXIT_STATUS)  # rank 0 said where it stopped, in one line
+            say_preempted("SIGTERM: the workers were stopped before they wrote a checkpoint"
+                          + (f"; the newest is {newest}" if newest is not None else ""))
         err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
         sys.exit(130)
     except WorkerFailed as e:

@@ -37,6 +37,7 @@ from recsys_cli.train.loggers import make_log
 from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
 from recsys_cli.train.metrics import PhaseTimer, SplitPredictions, binary_metrics, write_json_atomic
+from recsys_cli.train.preemption import Preempted, SigtermFlag
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.run_log import RunLog, StepLines
 from recsys_cli.train.schedule import LRSchedule
@@ -178,7 +179,8 @@ class Trainer:
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
         busy = 1 + any(getattr(g, "lookahead", False) for g in self.embeddings.groups) + self.dist.enabled  # threads
-        with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size) as self.compute_threads:
+        with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size) as self.compute_threads, \
+                SigtermFlag() as self.sigterm:
             return self._fit()
 
     def _fit(self) -> dict:
@@ -191,6 +193,7 @@ class Trainer:
         start = time.perf_counter()
         self.throughput = ThroughputMeter(self.total_steps - self.step, sync=self.runtime.current_stream().synchronize)
         self.throughput.start(self.samples)
+        self.stop_at: int | None = None  # the step a SIGTERM stops the run after, once the ranks agree on it
         with progress:
             while self.step < self.total_steps and not self.stopping:
                 batches = self.epoch_batches()
@@ -226,6 +229,10 @@ class Trainer:
                         self.check_finite((self.running_loss / max(self.running_steps, 1)).item())
                         with self.throughput.paused("checkpoint"):
                             self.save()
+                    if self.stop_at is None and self.sigterm_received():
+                        self.stop_at = self.agree_stop_step()
+                    if self.stop_at is not None and self.step >= self.stop_at:
+                        self.stop_preempted()
                     self.feed.passed(self.step)  # the prefetcher may fill the next step's batch
                     if self.step >= self.total_steps or self.stopping:
                         batches.close()
@@ -242,6 +249,38 @@ class Trainer:
                          for split in self.eval_loaders}
         self.progress = None
         return self.summary(final)
+
+    # --- preemption (train/preemption.py) ---------------------------------------------
+    def sigterm_received(self) -> bool:
+        """Whether any rank has had a SIGTERM: every rank asks at every step
+        boundary (one small host collective when distributed), so all learn
+        it at the same step."""
+        received = self.sigterm.requested
+        return distributed.agree_max(int(received)) > 0 if self.dist.enabled else received
+
+    def agree_stop_step(self) -> int:
+        """The step to stop after: the first one whose batch no rank's
+        prefetcher has filled yet, so the checkpoint there saves caches
+        holding no later batch, as at a checkpoint_every step (the prefetcher
+        holds until the ranks agree, then pauses there)."""
+        hold = getattr(self.feed, "hold", None)
+        proposal = max(hold(), self.step) if hold is not None else self.step
+        stop = min(distributed.agree_max(proposal), self.total_steps)
+        if hold is not None:
+            self.feed.stop_after(stop)
+        return stop
+
+    def stop_preempted(self) -> None:
+        """Write the checkpoint of this step and raise Preempted saying where."""
+        if self.checkpoint_dir is None:
+            raise Preempted(f"SIGTERM: stopped after step {self.step} of {self.total_steps}; no checkpoint "
+                            "was written (the run has no checkpoint directory)")
+        if self.saved_step != self.step:
+            with self.throughput.paused("checkpoint"):
+                self.save()
+        path = self.checkpoint_dir / f"step-{self.step:08d}.pt"
+        raise Preempted(f"SIGTERM: stopped after step {self.step} of {self.total_steps} and saved {path}; "
+                        "continue with trainer.resume=true (same overrides)")
 
     def step_record(self, loss: float, rate: float) -> dict:
         """What a log line says: loss, speed, the cache's hit rate so far, and the seconds spent per phase."""

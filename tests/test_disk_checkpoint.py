@@ -166,3 +166,32 @@ def test_a_save_killed_midway_keeps_the_previous_checkpoint(tmp_path):
     # The next save into that directory clears the killed save's leftovers.
     save_checkpoint(ck, 11, model_state(fresh, fresh_opt, 11))
     assert not [f for f in (ck / "disk").glob("*/.*")]
+
+
+def test_a_write_while_a_save_runs_is_owed_to_the_next_save(tmp_path):
+    """The store keeps its own changed rows (issue 26): a row written after a
+    save took the changed rows and before its checkpoint committed (a
+    write-back the prefetcher's pause used to exclude) reaches the next delta."""
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    spec = TableSpec("t", 64, 8)
+    store = DiskRowStore([spec], [0], "fp32", "stochastic", 0, 1, 0.0, str(tmp_path / "live"), host_cache_rows=4)
+    ck = tmp_path / "ck"
+
+    def write(ids, value):
+        ids = torch.tensor(ids)
+        store.write(ids, torch.full((ids.numel(), 8), value), torch.full((ids.numel(), 1), value))
+
+    write([1, 2], 1.0)
+    first = store.table_snapshot(spec, 0, 64)
+    first.save_files(ck, 1)
+    write([40], 2.0)  # after the save read the rows, before it commits
+    first.committed()
+    second = store.table_snapshot(spec, 0, 64)
+    manifest = second.save_files(ck, 2)
+    assert manifest["disk"]["deltas"][-1]["rows"] == 1  # row 40 only
+    saved = materialize({**manifest, "directory": str(ck)})
+    rows, state = store.read(torch.arange(64))
+    assert torch.equal(saved["weights"], rows) and torch.equal(saved["state"], state)
+    store.close()

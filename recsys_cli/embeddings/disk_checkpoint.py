@@ -30,6 +30,7 @@ it whole with materialize().
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -81,12 +82,16 @@ class DiskTableSnapshot:
     holds; committed() advances the store's chain once the checkpoint is in
     place. patch: the function that gives (local ids, encoded rows, state) of
     the rows a cache holds dirty, called by save_files, so that a checkpoint
-    holds one table's dirty rows in memory at a time, not every table's."""
+    holds one table's dirty rows in memory at a time, not every table's.
+
+    It uses only the store's checkpoint methods (disk_store.py): the store
+    keeps its own chain and changed rows, so a save is safe whatever other
+    threads do (the store is held alone while its table is written, and
+    rows changed meanwhile are owed to the next save)."""
 
     def __init__(self, store, table: int, patch) -> None:
         self.store, self.table, self.patch_of = store, table, patch
         self.spec: TableSpec = store.tables[table]
-        self.lo = int(store._table_start[table])
         self._chain = None
         self._patched_ids = None
 
@@ -98,9 +103,11 @@ class DiskTableSnapshot:
         tag = f"{step:08d}-{uuid.uuid4().hex[:8]}"
         patch = self.patch_of() if self.patch_of is not None else None  # before the store's lock: the cache's lock comes first
         self._patched_ids = patch[0].cpu() if patch is not None else None
-        with store.lock:  # not the trainer's wait on the disk (disk_wait_seconds): the checkpoint's own time
-            chain = store.chain[self.table]
-            changed = self._changed()
+        with store.exclusive():  # not the trainer's wait on the disk (disk_wait_seconds): the checkpoint's own time
+            chain = store.chain(self.table)
+            changed = store.take_changed(self.table)
+            if self._patched_ids is not None:
+                changed = torch.unique(torch.cat([changed, self._patched_ids]))
             if chain is None:  # the table's base is its initial rows
                 chain = {"root": root, "base": None, "deltas": [], "delta_rows": 0}
             compact = (chain["root"] != root
@@ -120,22 +127,12 @@ class DiskTableSnapshot:
         return {"precision": store.precision, "disk": {**self._layout(), **chain, "root": None}, "files": files}
 
     def committed(self) -> None:
-        store = self.store
-        store.chain[self.table] = self._chain
-        store.changed[self.table] = [self._patched_ids] if self._patched_ids is not None else []
+        self.store.commit_checkpoint(self.table, self._chain, self._patched_ids)
 
     def _layout(self) -> dict:
-        s, spec = self.store, self.spec
-        return {"format": FORMAT, "table": spec.name, "rows": spec.num_rows, "dim": spec.dim,
-                "precision": s.precision, "rounding": s.codec.rounding, "state_width": s.state_width,
-                "record_bytes": s.record_bytes, "seed": s.seed, "table_number": int(s._table_number[self.table]),
+        s = self.store
+        return {"format": FORMAT, "table": self.spec.name, **s.table_identity(self.table),
                 "initial_state": s.initial_state}
-
-    def _changed(self) -> torch.Tensor:
-        parts = list(self.store.changed[self.table])
-        if self._patched_ids is not None:
-            parts.append(self._patched_ids)
-        return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
 
     def _patched(self, local: torch.Tensor, records: torch.Tensor, patch) -> torch.Tensor:
         """records of sorted `local` rows with the cache's dirty rows put in."""
@@ -156,15 +153,13 @@ class DiskTableSnapshot:
         step = max(1, CHUNK_BYTES // self.store.record_bytes)
         for a in range(0, changed.numel(), step):
             local = changed[a:a + step]
-            records, inverse, *_ = self.store._records(local + self.lo)
-            yield self._patched(local, records[inverse], patch).numpy()
+            yield self._patched(local, self.store.read_records(self.table, local), patch).numpy()
 
     def _base_chunks(self, patch):
         step = max(1, CHUNK_BYTES // self.store.record_bytes)
         for a in range(0, self.spec.num_rows, step):
             local = torch.arange(a, min(a + step, self.spec.num_rows))
-            records, inverse, *_ = self.store._records(local + self.lo)
-            yield self._patched(local, records[inverse], patch).numpy()
+            yield self._patched(local, self.store.read_records(self.table, local), patch).numpy()
 
 
 def _codec(layout: dict):
@@ -247,31 +242,31 @@ def materialize(saved):
 
 
 def load_disk_table(store, table: int, saved) -> None:
-    """Replace table `table` of a DiskRowStore with a checkpoint's entry (lock held)."""
-    spec = store.tables[table]
-    lo = int(store._table_start[table])
-    store._drop(lo, lo + spec.num_rows)
+    """Replace table `table` of a DiskRowStore with a checkpoint's entry."""
     layout = saved.get("disk") if is_disk_table(saved) else None
-    same = layout is not None and all(layout[k] == v for k, v in (
-        ("rows", spec.num_rows), ("dim", spec.dim), ("precision", store.precision),
-        ("rounding", store.codec.rounding), ("state_width", store.state_width),
-        ("record_bytes", store.record_bytes), ("seed", store.seed),
-        ("table_number", int(store._table_number[table]))))
-    if same:  # replay the chain into the live file, chunk by chunk
-        for a, rec in _base(saved, store.codec):
-            store._write_file(torch.arange(lo + a, lo + a + rec.shape[0]), rec)
-        for ids, rec in _deltas(saved):
-            store._write_file(ids + lo, rec)
-        store.chain[table] = {k: layout[k] for k in ("base", "deltas", "delta_rows")}
-        store.chain[table]["root"] = str(Path(saved["directory"]).resolve())
-        store.changed[table] = []
+    identity = store.table_identity(table)
+    if layout is not None and all(layout[k] == v for k, v in identity.items()):
+        # The same layout: replay the chain into the live file, chunk by chunk.
+        chain = {k: layout[k] for k in ("base", "deltas", "delta_rows")}
+        chain["root"] = str(Path(saved["directory"]).resolve())
+        chunks = [((torch.arange(a, a + rec.shape[0]), rec) for a, rec in _base(saved, store.codec)),
+                  _deltas(saved)]
+        store.replace_table(table, itertools.chain.from_iterable(chunks), chain)
         return
-    # Another placement, precision or layout: through native tensors (the table whole).
-    tensors = materialize(saved)
+    # Another placement, precision or layout: through native tensors (the table whole);
+    # the next save writes a new base (no chain's root is this directory).
+    store.replace_table(table, _converted_chunks(store, table, materialize(saved)),
+                        {"root": None, "base": None, "deltas": [], "delta_rows": 0})
+
+
+def _converted_chunks(store, table: int, tensors: dict):
+    """(local ids, records) of a table in native tensors, in the store's precision and record layout."""
+    spec = store.tables[table]
+    lo = store.table_first_row(table)
     step = max(1, CHUNK_BYTES // store.record_bytes)
     for a in range(0, spec.num_rows, step):
         b = min(a + step, spec.num_rows)
-        ids = torch.arange(lo + a, lo + b)
+        local = torch.arange(a, b)
         state = tensors["state"][a:b]
         if state.shape[1] != store.state_width:
             state = torch.full((b - a, store.state_width), store.initial_state, dtype=torch.float32)
@@ -279,10 +274,8 @@ def load_disk_table(store, table: int, saved) -> None:
             encoded = {name: tensors[name][a:b] for name, *_ in store.codec.fields if name != "state"}
         else:
             part = {k: (v[a:b] if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
-            encoded = store.rows.encode(decode_saved(part, spec.dim), store.key(ids, CONVERT_STEP))
-        store._write_file(ids, store.codec.pack(encoded, state))
-    store.chain[table] = {"root": None, "base": None, "deltas": [], "delta_rows": 0}  # next save: a new base
-    store.changed[table] = []
+            encoded = store.rows.encode(decode_saved(part, spec.dim), store.key(local + lo, CONVERT_STEP))
+        yield local, store.codec.pack(encoded, state)
 
 
 # --- the checkpoint directory --------------------------------------------------------

@@ -132,10 +132,13 @@ class DiskRowStore:
         self.free = list(range(H - 1, -1, -1))
         self.clock = 0
         self.evict_chunk = max(1, H // 32)
-        # Checkpoints (disk_checkpoint.py): per table, the files of the last
-        # committed checkpoint's chain and the rows changed since it.
-        self.chain: list[dict | None] = [None] * len(tables)
-        self.changed: list[list[torch.Tensor]] = [[] for _ in tables]
+        # Checkpoints (disk_checkpoint.py, through the methods at the end):
+        # per table, the files of the last committed checkpoint's chain, the
+        # rows changed since it, and the rows a save took that its checkpoint
+        # has not committed yet (a failed save leaves them for the next).
+        self._chain: list[dict | None] = [None] * len(tables)
+        self._changed: list[list[torch.Tensor]] = [[] for _ in tables]
+        self._taken: list[torch.Tensor | None] = [None] * len(tables)
         self._open(directory)
         self._build()
 
@@ -390,10 +393,10 @@ class DiskRowStore:
             table = torch.searchsorted(self._table_start, ids, right=True) - 1
         for t in torch.unique(table).tolist():
             local = ids[table == t] - self._table_start[t]
-            lst = self.changed[t]
+            lst = self._changed[t]
             lst.append(local)
             if len(lst) > 64:  # bound the list: merge (memory grows with distinct changed rows only)
-                self.changed[t] = [torch.unique(torch.cat(lst))]
+                self._changed[t] = [torch.unique(torch.cat(lst))]
 
     # --- RowStore's protocol -----------------------------------------------------
     @property
@@ -440,6 +443,7 @@ class DiskRowStore:
         return s
 
     # --- checkpoints (disk_checkpoint.py) -----------------------------------------
+    # What a checkpoint of this store may call; the store's state changes only here.
     def table_snapshot(self, spec: TableSpec, lo: int, hi: int, patch=None):
         from recsys_cli.embeddings.disk_checkpoint import DiskTableSnapshot
 
@@ -448,8 +452,73 @@ class DiskRowStore:
     def load_table(self, spec: TableSpec, lo: int, hi: int, saved) -> None:
         from recsys_cli.embeddings.disk_checkpoint import load_disk_table
 
-        with self.lock:  # start-up, not a wait of the step
-            load_disk_table(self, self.tables.index(spec), saved)
+        load_disk_table(self, self.tables.index(spec), saved)
+
+    def exclusive(self):
+        """Hold the store alone (start-up, or a checkpoint writing a table):
+        no other thread reads or writes it until the block ends, whatever
+        the prefetcher does. Untimed: not a wait of the trainer's step."""
+        return self.lock
+
+    def table_first_row(self, table: int) -> int:
+        """The fused row id of table `table`'s row 0."""
+        return int(self._table_start[table])
+
+    def table_identity(self, table: int) -> dict:
+        """What a checkpoint's records of table `table` depend on: the record
+        layout and the initial rows' keys. A checkpoint whose identity is the
+        store's replays into the file as it is."""
+        return {"rows": self.tables[table].num_rows, "dim": self.tables[table].dim, "precision": self.precision,
+                "rounding": self.codec.rounding, "state_width": self.state_width, "record_bytes": self.record_bytes,
+                "seed": self.seed, "table_number": int(self._table_number[table])}
+
+    def chain(self, table: int) -> dict | None:
+        """The files of table `table`'s last committed checkpoint (None: its base is the initial rows)."""
+        return self._chain[table]
+
+    def take_changed(self, table: int) -> torch.Tensor:
+        """Sorted local ids of the rows of `table` changed since its last
+        committed checkpoint, for a save to write. They stay owed to the next
+        save until commit_checkpoint; rows changed from now on are noted for
+        the next save whatever happens to this one (so a write while the save
+        runs is never lost, with or without the prefetcher paused)."""
+        with self.lock:
+            parts = self._changed[table]
+            if self._taken[table] is not None:
+                parts = [self._taken[table], *parts]
+            self._changed[table] = []
+            self._taken[table] = torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+            return self._taken[table]
+
+    def commit_checkpoint(self, table: int, chain: dict, still_changed: torch.Tensor | None) -> None:
+        """The checkpoint holding `chain` is in place: the next save of `table`
+        continues from it, with the rows changed since take_changed plus
+        `still_changed` (rows the checkpoint took from elsewhere, a cache,
+        that the store's file does not hold yet)."""
+        with self.lock:
+            self._chain[table] = chain
+            self._taken[table] = None
+            if still_changed is not None and still_changed.numel():
+                self._changed[table].insert(0, still_changed)
+
+    def read_records(self, table: int, local: torch.Tensor) -> torch.Tensor:
+        """Current records (uint8 [n, R]) of local rows `local` of `table`, in
+        their order; the host cache's use is left as it is (no admission)."""
+        with self.lock:
+            records, inverse, *_ = self._records(local + self._table_start[table])
+            return records[inverse]
+
+    def replace_table(self, table: int, chunks, chain: dict | None) -> None:
+        """Overwrite `table` with the (local ids, records) chunks (every row
+        once), forgetting its host-cached rows; its next save continues from
+        `chain` (None: writes a new base) with no rows changed."""
+        lo = int(self._table_start[table])
+        with self.lock:
+            self._drop(lo, lo + self.tables[table].num_rows)
+            for local, records in chunks:
+                self._write_file(local + lo, records)
+            self._chain[table] = chain
+            self._changed[table], self._taken[table] = [], None
 
 
 class _TimedLock:

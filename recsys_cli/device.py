@@ -56,14 +56,47 @@ class HostStream:
         pass
 
 
+COPY_KINDS = ("host_to_device_pinned", "host_to_device_pageable", "device_to_host_pinned",
+              "device_to_host_pageable")
+
+
 class HostRuntime:
-    """The CPU twin: one stream, events on the host clock, no pinning."""
+    """The CPU twin: one stream, events on the host clock, no pinning.
+
+    Every copy between host and device goes through to_device / to_host (or
+    PinnedStaging, which counts through them): `copies` counts them by
+    direction and by whether the host side was page-locked (a pageable one is
+    synchronous on CUDA), so 0 pageable copies means none. Counted where host
+    and device memory differ (pins_host: CUDA, and the recording runtime of
+    the tests, which stands in for it); on CPU there are no copies."""
 
     pins_host = False  # whether host memory the device reads should be page-locked
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._stream = HostStream()
+        self.copies = dict.fromkeys(COPY_KINDS, 0)
+
+    def count_copy(self, direction: str, host_side: torch.Tensor) -> None:
+        """One copy (direction "host_to_device" or "device_to_host") whose host tensor is `host_side`."""
+        if self.pins_host:
+            self.copies[f"{direction}_{'pinned' if self.is_pinned(host_side) else 'pageable'}"] += 1
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """`tensor` (host) on the device, asynchronously when it is pinned; counted."""
+        self.count_copy("host_to_device", tensor)
+        return tensor.to(device or self.device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`tensor` (device) on the host: into `out` (pinned: asynchronous, valid
+        once an event recorded after it is done), else a new (pageable,
+        synchronous) tensor; counted."""
+        if out is None:
+            result = tensor.to("cpu")
+            self.count_copy("device_to_host", result)
+            return result
+        self.count_copy("device_to_host", out)
+        return out.copy_(tensor, non_blocking=True)
 
     def event(self, timing: bool = False):
         return HostEvent(timing)
@@ -293,7 +326,20 @@ class PinnedStaging:
     def to_device(self, view: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Copy a view from take() to the device on the current stream; the
         buffer may be rewritten once that copy is done."""
+        self.runtime.count_copy("host_to_device", view)
         out = view.to(device, non_blocking=True, copy=True)  # copy: on CPU too, never an alias of the buffer
         self._copied = self.runtime.event()
         self._copied.record(self.runtime.current_stream())
         return out
+
+    def from_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of the buffer that `tensor` (device) is copied into on the
+        current stream, asynchronously: read it only once an event recorded
+        after this is done. Valid until the next take()."""
+        return self.runtime.to_host(tensor, out=self.take(tensor.shape[0]))
+
+
+def sum_copies(runtimes) -> dict[str, int]:
+    """The copy counts of several runtimes (each counted once), kind by kind."""
+    unique = {id(r): r for r in runtimes if r is not None}.values()
+    return {kind: sum(r.copies[kind] for r in unique) for kind in COPY_KINDS}

@@ -5,6 +5,8 @@ never indexes a device tensor with a boolean mask."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from embedding_harness import build, make_batches
 from test_device_paths import RecordingRuntime
@@ -127,3 +129,66 @@ def test_the_low_precision_step_indexes_with_host_built_index_tensors_only():
             assert watch.seen == [], (placement, watch.seen)
             model.embeddings.release(batch)  # host bookkeeping
         assert served_by_store > 0  # the split path (cache and store) ran
+
+
+class _GatedRuntime(RecordingRuntime):
+    """A recording runtime whose waits on the side stream (its synchronize,
+    or an event recorded on it) block until `gate` is set, as a host wait
+    on a busy GPU would; `waiting` says one has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.waiting, self.armed = threading.Event(), threading.Event(), False
+        self.side = None
+
+    def _block(self) -> None:
+        if self.armed:
+            self.waiting.set()
+            assert self.gate.wait(10), "the gate was never opened"
+
+    def new_stream(self):
+        stream = super().new_stream()
+        inner = stream.synchronize
+        stream.synchronize = lambda: (self._block(), inner())
+        self.side = stream
+        return stream
+
+    def event(self, timing=False):
+        e = super().event(timing)
+        inner = e.synchronize
+        e.synchronize = lambda: (self._block() if e.stream is self.side else None, inner())
+        return e
+
+
+def test_release_does_not_wait_while_a_write_back_waits_for_the_device():
+    """An eviction's write-back copies dirty rows off the device; the wait for
+    that copy must not hold the cache's lock, or the trainer's release()
+    (and so the whole step) waits for the GPU to catch up."""
+    model, group = _group({"kind": "lookahead", "cache_rows": 150, "window": 1})
+    runtime = _GatedRuntime()
+    group.use_runtime(runtime, side_stream=True)
+    batches = [model.embeddings.plan_batch(b) for b in make_batches(12)]
+    for batch in batches[:8]:  # fill the cache with dirty rows
+        group.prepare(batch.plans[0])
+        _step(model, group, batch)
+    a, b = batches[8], batches[9]
+    group.prepare(a.plans[0])
+    pooled = model.embeddings(a)
+    (pooled.float() ** 2).sum().backward()
+    model.embeddings.step()  # a is trained, not yet released
+    written = group.counters["rows_written_back"]
+    runtime.armed = True
+    prefetch = threading.Thread(target=group.prepare, args=(b.plans[0],))
+    prefetch.start()
+    try:
+        assert runtime.waiting.wait(10), "the prefetcher's prepare never waited for the device"
+        released = threading.Thread(target=model.embeddings.release, args=(a,))
+        released.start()
+        released.join(5)
+        assert not released.is_alive(), "release() waited for the write-back's device copy"
+    finally:
+        runtime.gate.set()
+        prefetch.join(10)
+    assert group.counters["rows_written_back"] > written  # b's prepare wrote dirty rows back
+    assert runtime.copies["device_to_host_pinned"] > 0 and runtime.copies["device_to_host_pageable"] == 0
+    model.embeddings.release(b)

@@ -284,11 +284,16 @@ class CachedGroup(TableGroup):
         cols = self.store.state_width
         self.fill_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
         self.step_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+        # and back (write-backs, prefetch thread): the copy is enqueued under the
+        # lock, waited for after it (prepare), so release() never waits on the device
+        self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
 
     def _to_device(self, t: torch.Tensor, staging: PinnedStaging | None = None) -> torch.Tensor:
-        """A host tensor on the device, through a pinned staging buffer if given."""
+        """A host tensor on the device, through a pinned staging buffer if given (counted either way)."""
+        if t.device == self.device:
+            return t
         if staging is None:
-            return t.to(self.device, non_blocking=True)
+            return self.runtime.to_device(t, self.device)
         view = staging.take(t.shape[0])
         view.copy_(t)
         return staging.to_device(view, self.device)
@@ -351,7 +356,7 @@ class CachedGroup(TableGroup):
                 if need > self.num_free:
                     self.last_window, protected, available = self._make_room(
                         index, slots[hit], need - self.num_free, unique)
-            leaving = None  # evicted dirty rows: (rows, values, state) for the store
+            leaving = None  # evicted dirty rows: (copied event, rows, values, state) for the store
             if need > self.num_free:
                 leaving = self._evict(need - self.num_free, protected, available)
             self.num_free -= need
@@ -377,6 +382,8 @@ class CachedGroup(TableGroup):
         # is in flight to the store.
         try:
             if leaving is not None:
+                copied, *leaving = leaving
+                copied.synchronize()  # the write-back's copy off the device (enqueued under the lock)
                 self.store.write(*leaving, index)
             values = self.store.read(arriving.to(self.store.device)) if arriving.numel() else None
         except BaseException:
@@ -605,23 +612,35 @@ class CachedGroup(TableGroup):
         return self.runtime.use_stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
 
     def _write_back(self, slots: torch.Tensor):
-        """(rows, values, state) of dirty `slots`, copied off the device for
-        store.write (which prepare() calls without the lock), or None."""
+        """(copied, rows, values, state) of dirty `slots`, or None: their copy
+        off the device is enqueued here (under the lock, without waiting for
+        it); prepare() waits for the event `copied` after releasing the lock,
+        then calls store.write."""
         if slots.numel() == 0:
             return None
+        staging = self.back_staging or (None, None)
         with self._stream():
             if self.side_stream is not None and self.last_use is not None:
                 self.side_stream.wait_event(self.last_use)  # after the last write of these slots (updates, averages)
-            dev_slots = slots.to(self.device)
-            rows = self.cache_rows.index_select(0, dev_slots).to("cpu" if self.store.device.type == "cpu" else self.store.device)
-            state = self.cache_state.index_select(0, dev_slots).to(rows.device)
-            if self.side_stream is not None:
-                self.side_stream.synchronize()
+            dev_slots = self._to_device(self.runtime.pin(slots))
+            rows = self._off_device(self.cache_rows.index_select(0, dev_slots), staging[0])
+            state = self._off_device(self.cache_state.index_select(0, dev_slots), staging[1])
+            copied = self.runtime.event()
+            copied.record(self.runtime.current_stream())
         self.dirty[slots] = False
         self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
             self.counters["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
-        return self.row_of_slot[slots].to(self.store.device), rows.to(self.store.device), state.to(self.store.device)
+        return copied, self.row_of_slot[slots].to(self.store.device), rows, state
+
+    def _off_device(self, t: torch.Tensor, staging: PinnedStaging | None) -> torch.Tensor:
+        """A cache tensor where the store is: a host store's through a pinned
+        buffer (asynchronous), a device store's (or on CPU) as it is."""
+        if staging is not None:
+            return staging.from_device(t)
+        if self.store.device == self.device:
+            return t
+        return self.runtime.to_host(t)
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor, read) -> None:
         """Put `rows` (their store values and state, `read`) into reserved `slots` and publish them."""

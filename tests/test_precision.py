@@ -183,3 +183,37 @@ def test_memory_is_measured_from_allocated_tensors(precision, row_bytes):
     else:
         assert mem["cache"] == round(rows * 0.05) * 8 * 4  # fp32 cache slots, on the device
         assert mem["device"] == mem["cache"] and mem["host"] == mem["table"] + mem["index"]
+
+
+def test_a_store_keys_its_writes_where_the_ids_are_never_copying_them_to_the_host():
+    """A device-resident low-precision store (the store of a cache on the GPU)
+    computes the rounding key of every write: with ids.cpu() that was a device
+    sync per write. The key is the same as the table/row arithmetic on the host."""
+    from torch.overrides import TorchFunctionMode
+
+    from recsys_cli.embeddings.store import RowStore
+
+    class Watch(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.moves = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            to_device = name == "to" and any(isinstance(a, (str, torch.device)) for a in (*args[1:], *(kwargs or {}).values()))
+            if name in ("cpu", "cuda", "tolist", "item", "numpy") or to_device:
+                self.moves.append(name)
+            return func(*args, **(kwargs or {}))
+
+    store = RowStore(30, 4, torch.zeros(30, 1), precision="int8", seed=5, table_rows=[(0, 10), (3, 12), (7, 8)])
+    ids = torch.tensor([29, 0, 9, 10, 21, 22, 5])
+    store.key(ids, 1)  # the first key per device copies the table starts there once
+    watch = Watch()
+    with watch:
+        key = store.key(ids, 4)
+        store.write(ids, torch.randn(7, 4), torch.zeros(7, 1), step=4)
+    assert watch.moves == []
+    starts, numbers = [0, 10, 22], [0, 3, 7]
+    table = [max(t for t in range(3) if starts[t] <= i) for i in ids.tolist()]
+    assert torch.equal(key.table, torch.tensor([numbers[t] for t in table]))
+    assert torch.equal(key.row, torch.tensor([i - starts[t] for i, t in zip(ids.tolist(), table)]))

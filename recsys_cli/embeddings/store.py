@@ -47,6 +47,7 @@ class RowStore:
         sizes = torch.tensor([n for _, n in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
         self._table_number = torch.tensor([t for t, _ in table_rows], dtype=torch.int64)
+        self._tables_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # key()'s, per device
         self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
         self.state = state
 
@@ -72,14 +73,17 @@ class RowStore:
         return self.rows.precision
 
     def key(self, ids: torch.Tensor, step: int) -> RoundingKey:
-        """The rounding key of writing fused rows `ids` at `step`."""
-        ids_cpu = ids.cpu()
-        if self._table_start.numel() == 1:
-            table = torch.zeros_like(ids_cpu)
+        """The rounding key of writing fused rows `ids` at `step`, computed
+        where `ids` are: a device-resident store's writes never copy ids to the
+        host (a device sync every write)."""
+        if ids.device not in self._tables_on:
+            self._tables_on[ids.device] = (self._table_start.to(ids.device), self._table_number.to(ids.device))
+        starts, numbers = self._tables_on[ids.device]
+        if starts.numel() == 1:
+            table = torch.zeros_like(ids)
         else:
-            table = torch.searchsorted(self._table_start, ids_cpu, right=True) - 1
-        local = ids_cpu - self._table_start[table]
-        return RoundingKey(self.seed, self._table_number[table].to(ids.device), local.to(ids.device), step)
+            table = torch.searchsorted(starts, ids, right=True) - 1
+        return RoundingKey(self.seed, numbers[table], ids - starts[table], step)
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 rows and optimizer state of `ids`."""

@@ -253,6 +253,7 @@ def stage_speed(system: str):
             "peak_device_bytes": summary["peak_device_bytes"],
             "embedding_bytes_allocated": summary["embedding_bytes_allocated"],
             "pageable_host_to_device_copies": summary["pageable_host_to_device_copies"],
+            "host_device_copies": summary["host_device_copies"],
             "cache_hit_rate": (summary.get("cache") or {}).get("hit_rate"),
         }
 

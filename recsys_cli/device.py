@@ -83,8 +83,9 @@ class HostRuntime:
             self.copies[f"{direction}_{'pinned' if self.is_pinned(host_side) else 'pageable'}"] += 1
 
     def to_device(self, tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-        """`tensor` (host) on the device, asynchronously when it is pinned; counted."""
-        self.count_copy("host_to_device", tensor)
+        """`tensor` on the device, asynchronously when it is pinned; counted when it was on the host."""
+        if tensor.device.type == "cpu":
+            self.count_copy("host_to_device", tensor)
         return tensor.to(device or self.device, non_blocking=True)
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

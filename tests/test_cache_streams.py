@@ -5,6 +5,7 @@ never indexes a device tensor with a boolean mask."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -192,3 +193,47 @@ def test_release_does_not_wait_while_a_write_back_waits_for_the_device():
     assert group.counters["rows_written_back"] > written  # b's prepare wrote dirty rows back
     assert runtime.copies["device_to_host_pinned"] > 0 and runtime.copies["device_to_host_pageable"] == 0
     model.embeddings.release(b)
+
+
+class _MoveWatch(TorchFunctionMode):
+    """Counts the calls that would copy between host and device on CUDA:
+    .to(a device), .cpu(), .cuda(), and asynchronous copy_ (into a pinned buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+        if sys._getframe(1).f_code.co_filename.endswith("slot_index.py"):  # host memory only, by design
+            pass
+        elif name == "to" and any(isinstance(a, (str, torch.device)) for a in (*args[1:], *kwargs.values())):
+            self.moves += 1
+        elif name in ("cpu", "cuda") or (name == "copy_" and (kwargs.get("non_blocking") or args[2:3] == (True,))):
+            self.moves += 1
+        return func(*args, **kwargs)
+
+
+def test_every_host_device_copy_of_the_step_is_counted_and_none_is_pageable():
+    """Through a recording runtime (it stands in for CUDA): the copies the
+    runtime counts are all the moves the step makes (fills, write-backs, rows
+    the store serves and their updates, slot indices), so a pageable count of
+    0 means none; on CUDA each of them would be a synchronous copy."""
+    for placement, precision in (({"kind": "lookahead", "cache_rows": 150, "window": 1}, None),
+                                 ({"kind": "lookahead", "cache_rows": 60, "window": 1}, {"kind": "int8"}),
+                                 ({"kind": "cache", "cache_rows": 60}, {"kind": "int8"})):
+        model, group = _group(placement, precision)
+        runtime = RecordingRuntime()
+        group.use_runtime(runtime, side_stream=True)
+        watch = _MoveWatch()
+        for batch in make_batches(10):
+            batch = model.embeddings.plan_batch(batch)
+            with watch:
+                if group.lookahead:
+                    group.prepare(batch.plans[0])
+                _step(model, group, batch)
+        stats, copies = group.stats(), runtime.copies
+        assert stats["rows_written_back"] > 0 and stats["rows_loaded"] > 0, placement
+        assert copies["host_to_device_pageable"] == 0 and copies["device_to_host_pageable"] == 0, (placement, copies)
+        assert sum(copies.values()) == watch.moves, (placement, copies, watch.moves)
+        assert copies["device_to_host_pinned"] > 0 and copies["host_to_device_pinned"] > 0

@@ -215,7 +215,7 @@ def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_aft
     reference, _ = build({"kind": "uvm"}, optimizer="adagrad")
     staged, _ = build({"kind": "uvm"}, optimizer="adagrad")
     group = staged.embeddings.groups[0]
-    group.staging = group.make_staging(runtime)
+    group.use_runtime(runtime)
     for batch in make_batches(6):
         for model in (reference, staged):
             pooled = model.embeddings(batch)
@@ -234,7 +234,11 @@ def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_aft
         if entry[0] == "synchronize":
             assert entry[1] in recorded
     syncs = sum(1 for e in runtime.log if e[0] == "synchronize")
-    assert syncs == 2 * 6 - 2  # rows and state buffers, every step but the first
+    # rows and state buffers, every step but the first; and each step's updated
+    # rows, copied off the device into pinned buffers before the host table is written
+    assert syncs == 2 * 6 - 2 + 6
+    assert runtime.copies == {"host_to_device_pinned": 2 * 6, "host_to_device_pageable": 0,
+                              "device_to_host_pinned": 2 * 6, "device_to_host_pageable": 0}
 
 
 def test_staging_grows_geometrically_and_hands_out_views_of_one_buffer():

@@ -287,16 +287,24 @@ class CachedGroup(TableGroup):
         # and back (write-backs, prefetch thread): the copy is enqueued under the
         # lock, waited for after it (prepare), so release() never waits on the device
         self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+        # and the low-precision step's rows for the store (trainer)
+        self.store_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
 
     def _to_device(self, t: torch.Tensor, staging: PinnedStaging | None = None) -> torch.Tensor:
         """A host tensor on the device, through a pinned staging buffer if given (counted either way)."""
-        if t.device == self.device:
-            return t
         if staging is None:
             return self.runtime.to_device(t, self.device)
         view = staging.take(t.shape[0])
         view.copy_(t)
         return staging.to_device(view, self.device)
+
+    def _pinned_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (slot or position indices) on the device: pinned first, so the copy is asynchronous."""
+        return self._to_device(self.runtime.pin(t))
+
+    def _to_store_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host row ids where the store is (a device-resident store: pinned, then copied)."""
+        return ids if self.store.device.type == "cpu" else self._pinned_to_device(ids)
 
     def _record_fill(self) -> None:
         if self.side_stream is not None:
@@ -385,7 +393,7 @@ class CachedGroup(TableGroup):
                 copied, *leaving = leaving
                 copied.synchronize()  # the write-back's copy off the device (enqueued under the lock)
                 self.store.write(*leaving, index)
-            values = self.store.read(arriving.to(self.store.device)) if arriving.numel() else None
+            values = self.store.read(self._to_store_device(arriving)) if arriving.numel() else None
         except BaseException:
             with self.cond:
                 self.moving = False
@@ -425,7 +433,7 @@ class CachedGroup(TableGroup):
         plan.slots = slots
         plan.batch_index = index
         with self._stream():  # after this batch's fills, on the same stream
-            plan.slots_device = self._to_device(self.runtime.pin(slots))
+            plan.slots_device = self._pinned_to_device(slots)
             if not self.admit_all:
                 plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
@@ -439,8 +447,9 @@ class CachedGroup(TableGroup):
         optimizer state, once the fill's copies have landed."""
         if plan.ready is not None:
             plan.ready.synchronize()
-        dev = fill.slots[fill.loaded].to(self.device)
-        return torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1).cpu()
+        dev = self._pinned_to_device(fill.slots[fill.loaded])
+        values = torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1)
+        return self._host_copy(values)  # broadcast at once: synchronous
 
     def apply(self, plan: LookupPlan, fill: "Fill", values: torch.Tensor | None) -> None:
         """A replica of another rank's cache (cache_avg, follower ranks): put
@@ -458,9 +467,10 @@ class CachedGroup(TableGroup):
                 self.row_of_slot[previous[previous >= 0]] = -1
                 old = self.row_of_slot[target]
                 self.slot_index.remove(torch.cat([rows[previous >= 0], old[old >= 0]]))
-                dev = target.to(self.device)
-                self.cache_rows.index_copy_(0, dev, values[:, : self.dim].to(self.device))
-                self.cache_state.index_copy_(0, dev, values[:, self.dim :].to(self.device))
+                dev = self._pinned_to_device(target)
+                values = self._pinned_to_device(values)
+                self.cache_rows.index_copy_(0, dev, values[:, : self.dim])
+                self.cache_state.index_copy_(0, dev, values[:, self.dim :])
                 self.row_of_slot[target] = rows
                 self.slot_index.insert(rows, target)
                 self.counters["rows_loaded"] += n_load
@@ -468,7 +478,7 @@ class CachedGroup(TableGroup):
             self.inflight += 1
             plan.lookup_counts = (slots.numel() - n_load, n_load, 0)
         plan.slots = slots
-        plan.slots_device = slots.to(self.device, non_blocking=True)
+        plan.slots_device = self._pinned_to_device(slots)
 
     @property
     def row_width(self) -> int:
@@ -481,9 +491,9 @@ class CachedGroup(TableGroup):
         resident = slots >= 0
         cached_at = torch.nonzero(resident).flatten()
         direct_at = torch.nonzero(~resident).flatten()
-        move = lambda t: self._to_device(self.runtime.pin(t))  # noqa: E731
+        move = self._pinned_to_device
         return RowSources(cached_at=move(cached_at), cached_slots=move(slots[cached_at]), cached_slots_host=slots[cached_at],
-                      direct_at=move(direct_at), direct_rows=unique[direct_at].to(self.store.device))
+                      direct_at=move(direct_at), direct_rows=self._to_store_device(unique[direct_at]))
 
     def _settled(self) -> None:
         """Wait (lock held) until no prepare() is between its locked phases,
@@ -622,7 +632,7 @@ class CachedGroup(TableGroup):
         with self._stream():
             if self.side_stream is not None and self.last_use is not None:
                 self.side_stream.wait_event(self.last_use)  # after the last write of these slots (updates, averages)
-            dev_slots = self._to_device(self.runtime.pin(slots))
+            dev_slots = self._pinned_to_device(slots)
             rows = self._off_device(self.cache_rows.index_select(0, dev_slots), staging[0])
             state = self._off_device(self.cache_state.index_select(0, dev_slots), staging[1])
             copied = self.runtime.event()
@@ -631,7 +641,11 @@ class CachedGroup(TableGroup):
         self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
             self.counters["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
-        return copied, self.row_of_slot[slots].to(self.store.device), rows, state
+        return copied, self._to_store_device(self.row_of_slot[slots]), rows, state
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host (as it is on CPU; a synchronous, counted copy from a device)."""
+        return t if t.device.type == "cpu" else self.runtime.to_host(t)
 
     def _off_device(self, t: torch.Tensor, staging: PinnedStaging | None) -> torch.Tensor:
         """A cache tensor where the store is: a host store's through a pinned
@@ -652,7 +666,7 @@ class CachedGroup(TableGroup):
         with torch.profiler.record_function("lookahead_fill"), self._stream():
             if self.side_stream is not None and self.last_use is not None:
                 self.side_stream.wait_event(self.last_use)  # the slots' previous rows are no longer read
-            dev_slots = self._to_device(self.runtime.pin(slots))
+            dev_slots = self._pinned_to_device(slots)
             self.cache_rows.index_copy_(0, dev_slots, self._to_device(values, staging[0]))
             self.cache_state.index_copy_(0, dev_slots, self._to_device(state, staging[1]))
             self._record_fill()  # before the slot map below makes the rows readable
@@ -708,13 +722,19 @@ class CachedGroup(TableGroup):
         self.cache_rows.index_copy_(0, served.cached_slots, rows.index_select(0, served.cached_at))
         self.cache_state.index_copy_(0, served.cached_slots, state.index_select(0, served.cached_at))
         self.dirty[served.cached_slots_host] = True
-        self.store.write(direct, rows.index_select(0, served.direct_at).to(self.store.device),
-                         state.index_select(0, served.direct_at).to(self.store.device), plan.batch_index)
+        staging = self.store_staging or (None, None)
+        direct_rows = self._off_device(rows.index_select(0, served.direct_at), staging[0])
+        direct_state = self._off_device(state.index_select(0, served.direct_at), staging[1])
+        if self.store_staging is not None:  # the host store is written from the pinned copies once they land
+            copied = self.runtime.event()
+            copied.record(self.runtime.current_stream())
+            copied.synchronize()
+        self.store.write(direct, direct_rows, direct_state, plan.batch_index)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
         """Overwrite cached rows on the current stream; a later write-back or
         load of these slots waits for this write."""
-        dev = slots.to(self.device)
+        dev = self._pinned_to_device(slots)
         self.cache_rows.index_copy_(0, dev, rows)
         self.cache_state.index_copy_(0, dev, state)
         self._used()
@@ -733,7 +753,7 @@ class CachedGroup(TableGroup):
 
     def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [k, row_width] on the device: the rows of `slots` and their optimizer state."""
-        dev = slots.to(self.device)
+        dev = self._pinned_to_device(slots)
         return torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1)
 
     def write_averaged(self, slots: torch.Tensor, values: torch.Tensor, step: int) -> None:
@@ -786,11 +806,12 @@ class CachedGroup(TableGroup):
             miss_at = torch.nonzero(slots < 0).flatten()
             rows = torch.empty(ids.numel(), self.dim, device=self.device)
             if miss_at.numel():
-                from_store = self.store.read_rows(ids[miss_at.to(ids.device)].to(self.store.device)).to(self.device)
-                rows.index_copy_(0, miss_at.to(self.device), from_store)
+                from_store = self._to_device(self.store.read_rows(self._to_store_device(ids[miss_at.to(ids.device)])))
+                rows.index_copy_(0, self._pinned_to_device(miss_at), from_store)
             if hit_at.numel():
                 self._wait_fills()
-                rows.index_copy_(0, hit_at.to(self.device), self.cache_rows.index_select(0, slots[hit_at].to(self.device)))
+                rows.index_copy_(0, self._pinned_to_device(hit_at),
+                                 self.cache_rows.index_select(0, self._pinned_to_device(slots[hit_at])))
             return rows
 
     # --- whole tables ------------------------------------------------------------
@@ -810,11 +831,11 @@ class CachedGroup(TableGroup):
             slots, rows = slots[inside], rows[inside]
             if rows.numel() == 0:
                 return None
-            dev_slots = slots.to(self.device)
+            dev_slots = self._pinned_to_device(slots)
             self._wait_fills()
-            values = self.cache_rows.index_select(0, dev_slots).to(self.store.device)
-            encoded = self.store.encode(rows.to(self.store.device), values, SNAPSHOT_STEP)
-            return rows - lo, encoded, self.cache_state.index_select(0, dev_slots)
+            values = self._off_device(self.cache_rows.index_select(0, dev_slots), None)
+            encoded = self.store.encode(self._to_store_device(rows), values, SNAPSHOT_STEP)
+            return rows - lo, encoded, self._off_device(self.cache_state.index_select(0, dev_slots), None)
 
     def cache_snapshot(self) -> dict:
         """Everything that makes the cache what it is, for a checkpoint: with
@@ -834,7 +855,7 @@ class CachedGroup(TableGroup):
             return {
                 "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
                 "tables": [(t.name, t.num_rows) for t in self.tables],
-                "cache_rows": self.cache_rows.cpu(), "cache_state": self.cache_state.cpu(),
+                "cache_rows": self._host_copy(self.cache_rows), "cache_state": self._host_copy(self.cache_state),
                 "row_of_slot": self.row_of_slot, "dirty": self.dirty, "score": self.score,
                 "free_slots": self.free_slots, "num_free": self.num_free, "clock": self.clock,
                 "prepared": self.prepared, "completed": self.completed,

@@ -223,6 +223,15 @@ class EmbeddingBagCollection(nn.Module):
                 total[kind] += n
         return total
 
+    def runtimes(self) -> list:
+        """The device runtimes the groups copy through (their copy counts: device.sum_copies)."""
+        return [g.runtime for g in self.groups if getattr(g, "runtime", None) is not None]
+
+    def host_pin(self):
+        """What pins host tensors the device will read (CUDA), or None (CPU)."""
+        pinning = [r for r in self.runtimes() if r.pins_host]
+        return pinning[0].pin if pinning else None
+
     def stats(self) -> dict:
         merged: dict = {}
         for g in self.groups:

@@ -135,22 +135,29 @@ class DirectGroup(TableGroup):
         self.kind = kind
         self.bytes_to_device = 0
         self.bytes_to_host = 0
-        staged = self.store.device.type == "cpu" and self.device.type != "cpu"
-        self.staging = self.make_staging(runtime_for(self.device)) if staged else None
+        self.use_runtime(runtime_for(self.device))
 
-    def make_staging(self, runtime) -> tuple[PinnedStaging, PinnedStaging]:
-        """Staging buffers for rows and optimizer state (tests install a recording runtime's)."""
-        return PinnedStaging(runtime, self.dim), PinnedStaging(runtime, self.store.state.shape[1])
+    def use_runtime(self, runtime) -> None:
+        """Copies and staging buffers from `runtime` (tests install a recording
+        one): a host store behind a device (pins_host) gets pinned buffers for
+        rows and optimizer state, each way."""
+        self.runtime = runtime
+        staged = self.store.device.type == "cpu" and runtime.pins_host
+        cols = self.store.state.shape[1]
+        self.staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+        self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
 
     def _ids(self, plan: LookupPlan) -> torch.Tensor:
         """plan.unique where the store is: the copy the trainer made once per step."""
         if plan.unique.device == self.store.device:
             return plan.unique
-        return plan.unique_device if plan.unique_device is not None else plan.unique.to(self.store.device)
+        if plan.unique_device is not None:
+            return plan.unique_device
+        return self.runtime.to_device(self.runtime.pin(plan.unique), self.store.device)
 
     def _gather(self, source: torch.Tensor, ids: torch.Tensor, staging: PinnedStaging | None) -> torch.Tensor:
         if staging is None:
-            return source.index_select(0, ids).to(self.device, non_blocking=True)
+            return self.runtime.to_device(source.index_select(0, ids), self.device)
         view = staging.take(ids.numel())
         torch.index_select(source, 0, ids, out=view)
         return staging.to_device(view, self.device)
@@ -167,10 +174,19 @@ class DirectGroup(TableGroup):
         rows, state = self.optimizer.step(rows, state, grad)
         if self.store_tier == "host":
             self.bytes_to_host += rows.numel() * 4
-        self.store.write(ids, rows.to(self.store.device), state.to(self.store.device))  # fp32: no rounding key
+        if self.back_staging is not None:  # through pinned buffers, written to the host table once they land
+            rows, state = (b.from_device(t) for b, t in zip(self.back_staging, (rows, state)))
+            copied = self.runtime.event()
+            copied.record(self.runtime.current_stream())
+            copied.synchronize()
+        elif rows.device != self.store.device:
+            rows, state = self.runtime.to_host(rows), self.runtime.to_host(state)
+        self.store.write(ids, rows, state)  # fp32: no rounding key
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.store.rows.read(ids.to(self.store.device)).to(self.device)
+        if ids.device != self.store.device:
+            ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
+        return self.runtime.to_device(self.store.rows.read(ids), self.device)
 
     def stats(self) -> dict:
         if self.kind == "device":

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from recsys_cli.config import DROP_LAST_RANKS, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for
+from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for, sum_copies
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.errors import UserError
@@ -546,6 +546,7 @@ class Trainer:
     def summary(self, final: dict) -> dict:
         cfg = self.cfg
         peak_rss = peak_rss_bytes()
+        copies = sum_copies([self.runtime, *self.embeddings.runtimes()]) if self.device.type != "cpu" else None
         summary = {
             "steps": self.step,
             "samples": self.samples,
@@ -562,7 +563,9 @@ class Trainer:
             "embedding_bytes_allocated": self.embedding_allocated,  # CUDA: measured by the allocators
             "peak_device_bytes": (self.runtime.allocated() or {}).get("device_peak"),
             "peak_pinned_host_bytes": (self.runtime.allocated() or {}).get("pinned_host_peak"),
-            "pageable_host_to_device_copies": self.copier.pageable_copies if self.device.type != "cpu" else None,
+            # every copy between host and device, by direction and pinned or pageable (None on CPU)
+            "host_device_copies": copies,
+            "pageable_host_to_device_copies": None if copies is None else copies["host_to_device_pageable"],
             "device": str(self.device),
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,

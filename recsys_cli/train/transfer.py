@@ -44,6 +44,7 @@ class BatchCopier:
         def move(t: torch.Tensor) -> torch.Tensor:
             if not rt.is_pinned(t):
                 self.pageable_copies += 1
+            rt.count_copy("host_to_device", t)  # with every other copy of the run (summary.json)
             out = t.to(self.device, non_blocking=True)
             copies.append(out)
             return out

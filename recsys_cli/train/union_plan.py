@@ -32,21 +32,24 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.embeddings.prefetch import take
 from recsys_cli.train.distributed import all_gather_split
 
-def union_plan(batch: Batch, group) -> Batch:
+def union_plan(batch: Batch, group, pin=None) -> Batch:
     """Replace every plan's unique ids by their union over the ranks (sorted)
-    and remap the inverse index."""
+    and remap the inverse index; `pin` (CUDA: the runtime's) pins the new
+    tensors as the loader pinned the old ones, so their copies stay asynchronous."""
     per_rank = all_gather_split([p.unique for p in batch.plans], group)
     for g, plan in enumerate(batch.plans):
         plan.widen(torch.unique(torch.cat([parts[g] for parts in per_rank]), sorted=True))
+    if pin is not None:
+        batch.plans = [plan.pin_memory(pin) for plan in batch.plans]
     return batch
 
 
-def union_batches(loader, limit: int, group) -> Iterator[Batch]:
-    """The next `limit` batches of `loader`, with union plans."""
+def union_batches(loader, limit: int, group, pin=None) -> Iterator[Batch]:
+    """The next `limit` batches of `loader`, with union plans (pinned by `pin`)."""
     source = take(loader, limit)
     try:
         for batch in source:
-            yield union_plan(batch, group)
+            yield union_plan(batch, group, pin)
     finally:  # the loader's reader thread stops with it
         source.close()
 class UnionAhead:

@@ -142,7 +142,7 @@ class CacheAvg(DataParallel):
     # --- the batch feed -------------------------------------------------------------
     def batches(self, loader, limit, start, pause_at):
         """Union plans; rank 0 fills every rank's caches."""
-        source = union_batches(loader, limit, self.ctx.prefetch_group)
+        source = union_batches(loader, limit, self.ctx.prefetch_group, pin=self.embeddings.host_pin())
         groups = [(i, g) for i, g in enumerate(self.embeddings.groups) if id(g) in self.replicas]
         return CacheFillBroadcast(source, groups, self.embeddings.release, self, start, pause_at)
 

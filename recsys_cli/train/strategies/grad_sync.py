@@ -101,7 +101,7 @@ class GradSync(DataParallel):
     def batches(self, loader, limit, start, pause_at):
         """Union plans, prefetched by every rank for itself (or planned ahead
         on a thread, so the ids' all-gather overlaps the step)."""
-        source = union_batches(loader, limit, self.ctx.prefetch_group)
+        source = union_batches(loader, limit, self.ctx.prefetch_group, pin=self.embeddings.host_pin())
         lookahead = self.lookahead_groups()
         if lookahead:
             return Prefetcher(source, lookahead, self.embeddings.release, start, pause_at)

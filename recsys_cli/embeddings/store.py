@@ -47,7 +47,6 @@ class RowStore:
         sizes = torch.tensor([n for _, n in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
         self._table_number = torch.tensor([t for t, _ in table_rows], dtype=torch.int64)
-        self._tables_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # key()'s, per device
         self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
         self.state = state
 
@@ -76,9 +75,10 @@ class RowStore:
         """The rounding key of writing fused rows `ids` at `step`, computed
         where `ids` are: a device-resident store's writes never copy ids to the
         host (a device sync every write)."""
-        if ids.device not in self._tables_on:
-            self._tables_on[ids.device] = (self._table_start.to(ids.device), self._table_number.to(ids.device))
-        starts, numbers = self._tables_on[ids.device]
+        tables_on = self.__dict__.setdefault("_tables_on", {})  # per device (a DiskRowStore has its own __init__)
+        if ids.device not in tables_on:
+            tables_on[ids.device] = (self._table_start.to(ids.device), self._table_number.to(ids.device))
+        starts, numbers = tables_on[ids.device]
         if starts.numel() == 1:
             table = torch.zeros_like(ids)
         else:

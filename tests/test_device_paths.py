@@ -221,6 +221,9 @@ def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_aft
             pooled = model.embeddings(batch)
             (pooled.float() ** 2).sum().backward()
             model.embeddings.step()
+    # The last step's updated rows are still on their way to the host table:
+    # no step waited for them; the next reader (here a snapshot) does.
+    assert group._update_in_flight is not None
     for name in FEATURES:
         assert torch.equal(staged.embeddings.table_state()[name]["weights"],
                            reference.embeddings.table_state()[name]["weights"])

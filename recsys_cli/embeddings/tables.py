@@ -146,6 +146,20 @@ class DirectGroup(TableGroup):
         cols = self.store.state.shape[1]
         self.staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
         self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
+        self._update_in_flight = None  # (ids, rows, state, copied): a step's update on its way to the host table
+
+    def flush(self) -> None:
+        """Write the last step's updated rows into the host table once their
+        copy off the device has landed. The step enqueues that copy and goes
+        on (update); whatever reads the table next (the next gather, a
+        checkpoint, an evaluation) waits for it here, so the host meanwhile
+        runs ahead to the next batch instead of waiting for the device at
+        the end of every step."""
+        if self._update_in_flight is not None:
+            ids, rows, state, copied = self._update_in_flight
+            self._update_in_flight = None
+            copied.synchronize()
+            self.store.write(ids, rows, state)  # fp32: no rounding key
 
     def _ids(self, plan: LookupPlan) -> torch.Tensor:
         """plan.unique where the store is: the copy the trainer made once per step."""
@@ -163,30 +177,42 @@ class DirectGroup(TableGroup):
         return staging.to_device(view, self.device)
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
+        self.flush()
         ids = self._ids(plan)
         if self.store_tier == "host":  # counted on CPU runs too: the traffic a GPU would see
             self.bytes_to_device += ids.numel() * self.dim * 4
         return self._gather(self.store.rows.weights, ids, self.staging and self.staging[0])
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        self.flush()
         ids = self._ids(plan)
         state = self._gather(self.store.state, ids, self.staging and self.staging[1])
         rows, state = self.optimizer.step(rows, state, grad)
         if self.store_tier == "host":
             self.bytes_to_host += rows.numel() * 4
-        if self.back_staging is not None:  # through pinned buffers, written to the host table once they land
+        if self.back_staging is not None:  # through pinned buffers, written to the host table once they land (flush)
             rows, state = (b.from_device(t) for b, t in zip(self.back_staging, (rows, state)))
             copied = self.runtime.event()
             copied.record(self.runtime.current_stream())
-            copied.synchronize()
-        elif rows.device != self.store.device:
+            self._update_in_flight = (ids, rows, state, copied)
+            return
+        if rows.device != self.store.device:
             rows, state = self.runtime.to_host(rows), self.runtime.to_host(state)
         self.store.write(ids, rows, state)  # fp32: no rounding key
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
+        self.flush()
         if ids.device != self.store.device:
             ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
         return self.runtime.to_device(self.store.rows.read(ids), self.device)
+
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        self.flush()
+        return super().table_state()
+
+    def load_table_state(self, tables: dict[str, dict]) -> None:
+        self.flush()
+        super().load_table_state(tables)
 
     def stats(self) -> dict:
         if self.kind == "device":

@@ -300,6 +300,8 @@ class CachedGroup(TableGroup):
 
     def _pinned_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor (slot or position indices) on the device: pinned first, so the copy is asynchronous."""
+        if t.device.type != "cpu":  # already on a device: nothing to pin
+            return t.to(self.device)
         return self._to_device(self.runtime.pin(t))
 
     def _to_store_device(self, ids: torch.Tensor) -> torch.Tensor:

@@ -156,9 +156,9 @@ def train(cfg, record_losses: bool = False):
 def deterministic() -> None:
     """The exactness stages compare bits: no nondeterministic kernel may run
     (one that has no deterministic version raises, and the stage fails)."""
-    import torch
+    from recsys_cli.determinism import enable
 
-    torch.use_deterministic_algorithms(True)
+    enable()
 
 
 def stage_data(args, out_dir: Path, cache_dir: Path) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import sys
 
+from recsys_cli import determinism
 from recsys_cli.errors import UserError, fail, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     try:
+        determinism.enable_if_requested()
         if command == "train":
             from recsys_cli.train.app import run_train_app
 

@@ -1,8 +1,20 @@
-"""Tests marked `verify` are the long matrix: `make verify` runs them (RECSYS_VERIFY=1), `make test` skips them."""
+"""Tests marked `verify` are the long matrix: `make verify` runs them (RECSYS_VERIFY=1), `make test` skips them.
+
+Tests marked `exact` (the exactness tests and their CUDA twins) run under
+torch.use_deterministic_algorithms(True), as do the processes they start
+(RECSYS_DETERMINISTIC=1, recsys_cli/determinism.py): an op without a
+deterministic version fails such a test instead of making it drift."""
 
 import os
 
 import pytest
+import torch
+
+from recsys_cli import determinism
+
+# cuBLAS reads its workspace setting when its first handle is made, before any test's first matmul on CUDA.
+os.environ.setdefault(*determinism.CUBLAS_WORKSPACE)
+_ENV_AT_START = os.environ.get(determinism.ENV)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,3 +26,17 @@ def pytest_collection_modifyitems(config, items):
         # parent nodes, so a checkout in a folder named "verify" skipped everything.
         if item.get_closest_marker("verify") is not None:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the item's fixtures: a module-scoped fixture that trains (or
+    starts processes) for an exact test runs under the same setting."""
+    exact = item.get_closest_marker("exact") is not None
+    if exact:
+        os.environ[determinism.ENV] = "1"
+    elif _ENV_AT_START is None:
+        os.environ.pop(determinism.ENV, None)
+    else:
+        os.environ[determinism.ENV] = _ENV_AT_START
+    torch.use_deterministic_algorithms(exact or determinism.requested())

@@ -26,6 +26,8 @@ from recsys_cli.embeddings.plan import plan_lookup
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 ROWS, SLOTS, BATCH = 200_000, 20_000, 400
 
 

@@ -8,6 +8,8 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 
 def _check(kjt: KeyedJaggedTensor) -> InverseKeyedJaggedTensor:
     ikjt = dedup_kjt(kjt)

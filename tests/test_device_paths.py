@@ -19,6 +19,8 @@ from recsys_cli.device import HostRuntime
 from recsys_cli.train.metrics import PhaseTimer
 from recsys_cli.train.transfer import BatchCopier, pinning
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 
 class Clock:
     now = 0.0

@@ -30,6 +30,8 @@ from recsys_cli.embeddings.plan import plan_lookup
 from recsys_cli.embeddings.placement import DEFAULT_CACHE_RATIO
 from reference_trainer import ReferenceTrainer
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 # The fast subset: seeds picked (greedily, from the first 300) so that together
 # they draw every placement x precision pair, both roundings, both optimizers,
 # dedup, windows 1 and 16, a cache of barely one batch, a lookahead cache

@@ -12,6 +12,8 @@ import torch
 from embedding_harness import build, make_batches, run, train
 from test_placement_exact import SMALL_CACHE, assert_equal
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 BATCHES = make_batches(40, batch_size=16)
 TINY_HOST_CACHE = 8  # a batch writes back more rows than this: the host cache evicts every step
 

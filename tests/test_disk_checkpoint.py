@@ -15,6 +15,8 @@ from embedding_harness import build, dense_state, make_batches, tables_fp32, tra
 from recsys_cli.embeddings.disk_checkpoint import materialize
 from recsys_cli.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 BATCHES = make_batches(40, batch_size=16)
 DISK = {"kind": "disk", "cache_rows": 90, "window": 4, "host_cache_rows": 8}
 

@@ -34,6 +34,7 @@ def final_state(run: Path, steps: int) -> dict:
     return state
 
 
+@pytest.mark.exact  # bit-for-bit: under deterministic algorithms (tests/conftest.py)
 @pytest.mark.parametrize("mode", [
     pytest.param(["+precision=int8"], id="int8"),
     # every rank has its own live file; rank 0 writes the checkpoint's chain, every rank resumes from it

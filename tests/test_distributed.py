@@ -27,6 +27,8 @@ from recsys_cli.train import distributed
 from recsys_cli.train.trainer import Trainer
 from recsys_cli.train.training_data import resolve_dataset
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 NPROC = 2
 STEPS = 30
 RECSYS = str(Path(sys.executable).with_name("recsys"))

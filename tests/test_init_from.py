@@ -16,6 +16,8 @@ from recsys_cli.inference import load_model
 from recsys_cli.train import restore
 from recsys_cli.train.trainer import Trainer
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def days(tmp_path_factory):

@@ -17,6 +17,8 @@ from recsys_cli.train.schedule import LRSchedule
 from recsys_cli.train.trainer import Trainer
 from train_config import config, train
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 DCN = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8, model__top_mlp=[32, 1])
 SCHEDULE = dict(optimizer__schedule="warmup_poly", optimizer__warmup_steps=8, optimizer__decay_start_step=20,
                 optimizer__decay_steps=15)

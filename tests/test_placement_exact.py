@@ -6,6 +6,8 @@ import torch
 from embedding_harness import build, dense_state, make_batches, run, tables_fp32, train
 from recsys_cli.embeddings.cache import CacheTooSmall
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 BATCHES = make_batches(40, batch_size=16)
 SMALL_CACHE = 90  # a batch needs up to ~60 unique rows of 477: constant evictions
 

@@ -8,6 +8,8 @@ from recsys_cli.embeddings.quant import (RoundingKey, counter_hash, dequantize_r
                                          round_to_fp16, uniform_noise)
 from train_config import config
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 
 def rows(n=500, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -20,6 +20,8 @@ from recsys_cli.inference import load_model
 from recsys_cli.predict import PredictConfig, dataset_logits, predict, raw_logits, training_vocabulary
 from recsys_cli.train.trainer import Trainer
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

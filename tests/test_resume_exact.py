@@ -24,6 +24,8 @@ import torch
 
 from embedding_harness import assert_identical as harness_identical
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 COMMON = ["trainer.progress=false", "trainer.checkpoint_every=30", "trainer.log_every=10", "trainer.eval_every=60"]

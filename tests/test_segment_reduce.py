@@ -4,12 +4,15 @@ the same from run to run on any device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.collection import ExpandBags, SumPool
 from recsys_cli.embeddings.plan import SegmentPlan, plan_lookup, segment_sum
 from devices import TEST_DEVICE
+
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
 
 def _index_add(values: torch.Tensor, target: torch.Tensor, num_targets: int) -> torch.Tensor:

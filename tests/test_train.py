@@ -21,6 +21,8 @@ from recsys_cli.train.trainer import Trainer
 from devices import TEST_DEVICE, fresh_cuda_block
 from train_config import config, train
 
+pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
+
 RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 

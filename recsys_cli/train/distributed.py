@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from recsys_cli import determinism
 from recsys_cli.errors import UserError
 
 # Set by torchrun and by the elastic launcher in every worker.
@@ -117,6 +118,7 @@ def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     global _context
     if dist.is_initialized():
         return _context
+    determinism.enable_if_requested()  # a spawned worker runs no cli.main
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

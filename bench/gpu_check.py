@@ -438,19 +438,27 @@ def markdown(report: dict) -> str:
         "samples_per_second")]
     if speed:
         base = next((st["details"]["samples_per_second"] for st in speed if st["name"] == "speed: device"), 0)
-        lines += ["", "| placement (dlrm_kaggle) | samples/s | vs device | peak device | pageable copies |",
+        lines += ["", "| placement (dlrm_kaggle) | samples/s | vs device | peak device | pageable copies to / from device |",
                   "|---|---|---|---|---|"]
         for st in speed:
             d = st["details"]
             rate = d["samples_per_second"] or 0
             lines.append(f"| {st['name'][len('speed: '):]} | {rate:,.0f} | {rate / base if base else 0:.2f} | "
                          f"{(d.get('peak_device_bytes') or 0) / 2**20:,.0f} MiB | "
-                         f"{d.get('pageable_host_to_device_copies')} |")
+                         f"{_pageable(d)} |")
     failed = [t for st in stages for t in st.get("details", {}).get("failed", [])]
     if failed:
         lines += ["", "Failed tests (full output in tests.log, junit XML in tests.xml):", ""]
         lines += [f"* {t}" for t in failed[:30]]
     return "\n".join(lines) + "\n"
+
+
+def _pageable(d: dict) -> str:
+    """Pageable copies (synchronous on CUDA) each way, from summary.json's host_device_copies."""
+    copies = d.get("host_device_copies")
+    if not copies:
+        return "-"
+    return f"{copies['host_to_device_pageable']} / {copies['device_to_host_pageable']}"
 
 
 def _found(st: dict) -> str:

@@ -392,3 +392,25 @@ def test_pinned_host_tables_lock_their_size_not_the_next_power_of_two(monkeypatc
     del group
     gc.collect()
     assert driver.locked == {}
+
+
+def test_union_plans_are_pinned_again_after_widening(monkeypatch):
+    """A distributed rank widens each plan to the union of the ranks' rows
+    after the loader pinned it: the new tensors must be pinned too, or their
+    copies to the device are synchronous (and counted as pageable)."""
+    import recsys_cli.train.union_plan as union_plan
+
+    batches, _ = _planned_batches()
+    other_rank = lambda parts, group: [list(parts), [p + 1 for p in parts]]  # noqa: E731  its rows: ours + 1
+    monkeypatch.setattr(union_plan, "all_gather_split", other_rank)
+    for pin in (None, "runtime"):
+        runtime = RecordingRuntime()
+        batch = pinning(runtime)(batches[0])
+        before = batch.plans[0].unique.numel()
+        widened = union_plan.union_plan(batch, None, None if pin is None else runtime.pin)
+        assert widened.plans[0].unique.numel() > before  # the union is wider
+        pinned = [runtime.is_pinned(t) for t in _host_tensors(widened)]
+        assert all(pinned) if pin else not all(pinned)
+        copier = BatchCopier(torch.device("meta"), runtime)
+        copier.to_device(widened)
+        assert (runtime.copies["host_to_device_pageable"] == 0) == bool(pin)

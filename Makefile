@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 train: setup
 	$(BIN)/recsys train $(ARGS)
 
+# The type check first (mypy, configured in pyproject.toml; incremental, its
+# cache in .mypy_cache), then the suite; ARGS go to pytest.
 test: setup
+	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
 # The long matrix (README, Testing): 300 differential combinations and the
@@ -98,4 +101,4 @@ bench-peers: peers-setup
 	$(PEERS_BIN)/python -m bench.peers.ab $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(GPU_VENV) $(WHEEL_TOOLS) outputs multirun .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(GPU_VENV) $(WHEEL_TOOLS) outputs multirun .pytest_cache .mypy_cache

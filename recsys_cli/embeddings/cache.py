@@ -107,16 +107,19 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from recsys_cli.device import PinnedStaging, runtime_for
-from recsys_cli.embeddings.plan import LookupPlan, RowSources
+from recsys_cli.embeddings.plan import Fill, LookupPlan, RowSources
 from recsys_cli.embeddings.slot_index import SlotIndex
 from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from recsys_cli.embeddings.protocols import CachedGroupProtocol
 
 DEBUG = os.environ.get("RECSYS_DEBUG", "") not in ("", "0")
 SNAPSHOT_STEP = -3  # rounding key of dirty rows quantized into a checkpoint's copy of a table
@@ -199,15 +202,6 @@ class _Protection:
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
     slots = cache_rows if cache_rows is not None else int(round(num_rows * cache_ratio))
     return max(1, min(num_rows, slots))
-
-
-@dataclass
-class Fill:
-    """What prepare() did for one plan: the slot of every unique row, and
-    which of them it loaded (positions in plan.unique)."""
-
-    slots: torch.Tensor  # int64 [n]
-    loaded: torch.Tensor  # int64 [k]
 
 
 class CachedGroup(TableGroup):
@@ -951,3 +945,9 @@ class CachedGroup(TableGroup):
         total = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / total if total else None
         return s
+
+
+if TYPE_CHECKING:  # mypy: a CachedGroup is what protocols.CachedGroupProtocol promises its callers
+
+    def _is_a_cached_group(group: CachedGroup) -> CachedGroupProtocol:
+        return group

@@ -58,6 +58,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -68,6 +69,9 @@ from recsys_cli.embeddings.slot_index import SlotIndex
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, init_rows
 from recsys_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from recsys_cli.embeddings.protocols import RowStoreProtocol
 
 DIR_PREFIX = "recsys-disk-"  # a live store's own directory under placement.disk_path
 OWNER = "owner.pid"
@@ -567,3 +571,9 @@ def _close_and_remove(fd: int, directory: str) -> None:
         os.close(fd)
     finally:
         _remove(directory)
+
+
+if TYPE_CHECKING:  # mypy: a DiskRowStore is what protocols.RowStoreProtocol promises, as a RowStore is
+
+    def _is_a_row_store(store: DiskRowStore) -> RowStoreProtocol:
+        return store

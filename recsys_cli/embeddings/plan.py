@@ -78,6 +78,16 @@ class RowSources:
 
 
 @dataclass
+class Fill:
+    """What a cache's prepare() did for one plan: the slot of every unique
+    row, and which of them it loaded (positions in plan.unique); cache_avg
+    sends it to the other ranks' replicas."""
+
+    slots: torch.Tensor  # int64 [n]
+    loaded: torch.Tensor  # int64 [k]
+
+
+@dataclass
 class LookupPlan:
     unique: torch.Tensor  # int64 [n] fused row ids, sorted
     inverse: torch.Tensor  # int64 [nnz] index into `unique` for every id of the batch

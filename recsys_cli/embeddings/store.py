@@ -15,9 +15,14 @@ a low-precision table and no concatenation of the tables ever exists.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from recsys_cli.embeddings.quant import INIT_STEP, QuantizedRows, RoundingKey, decode_saved, empty_rows
+
+if TYPE_CHECKING:
+    from recsys_cli.embeddings.protocols import RowStoreProtocol
 
 
 class RowStore:
@@ -161,3 +166,9 @@ class RowStore:
         state = saved["state"].to(self.device)
         if state.shape[1] == self.state.shape[1]:
             self.state[lo:hi] = state
+
+
+if TYPE_CHECKING:  # mypy: a RowStore is what protocols.RowStoreProtocol promises
+
+    def _is_a_row_store(store: RowStore) -> RowStoreProtocol:
+        return store

@@ -21,6 +21,7 @@ import torch
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
+from recsys_cli.embeddings.protocols import RowStoreProtocol
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec
 
@@ -33,7 +34,7 @@ class TableGroup(abc.ABC):
     lookahead: bool = False  # True: the prefetcher prepares its plans ahead, on its thread
 
     def __init__(
-        self, tables: list[TableSpec], feature_tables: list[str], store: RowStore,
+        self, tables: list[TableSpec], feature_tables: list[str], store: RowStoreProtocol,
         optimizer: RowOptimizer, device: torch.device, store_tier: str = "device",
     ) -> None:
         self.tables = tables
@@ -129,6 +130,8 @@ class DirectGroup(TableGroup):
     store in host memory and the trainer on CUDA, rows and their optimizer
     state are gathered into reusable pinned buffers, so their copies to the
     device are asynchronous."""
+
+    store: RowStore  # in memory: the step reads its tensors directly
 
     def __init__(self, *args, kind: str = "device", **kwargs) -> None:
         super().__init__(*args, store_tier="device" if kind == "device" else "host", **kwargs)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from recsys_cli.data.batch import Batch
-from recsys_cli.embeddings.cache import CachedGroup, Fill, NeedsAverage
+from recsys_cli.embeddings.cache import CachedGroup, NeedsAverage
+from recsys_cli.embeddings.plan import Fill
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import broadcast_
 

@@ -40,6 +40,7 @@ import threading
 import torch
 
 from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
+from recsys_cli.embeddings.protocols import ReplicatedCache
 from recsys_cli.errors import UserError
 from recsys_cli.train.distributed import all_gather_varlen, all_reduce_mean, broadcast_
 from recsys_cli.train.strategies.cache_fill import CacheFillBroadcast
@@ -68,7 +69,7 @@ class _Replica:
     """cache_avg state of one cached group: which slots this rank touched
     since the last average, and how many averages it has done."""
 
-    def __init__(self, group: CachedGroup) -> None:
+    def __init__(self, group: ReplicatedCache) -> None:  # what cache_avg may call on a cache
         self.group = group
         self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # only the trainer's thread uses it
         self.syncs = 0

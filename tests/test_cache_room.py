@@ -87,24 +87,28 @@ def _plans(count: int, seed: int = 0):
 
 
 def _watch_index(group: CachedGroup, mode: LargeResults) -> None:
-    """The row -> slot index rebuilds itself when removals pile up, amortised
-    over as many removals: not the cache's room search, not counted here."""
-    index = getattr(group, "slot_index", None)
-    if index is None:
-        return
-    for name in ("lookup", "insert", "remove", "contains", "clear"):
-        method = getattr(index, name, None)
-        if method is None:
+    """The row -> slot index rebuilds itself when removals pile up, and a
+    victim order when stale entries pile up (beyond twice the slots), each
+    amortised over as many removals or pushes: not the cache's room search,
+    not counted here."""
+    watched = [(getattr(group, "slot_index", None), ("lookup", "insert", "remove", "contains", "clear"))]
+    watched += [(order, ("rebuild",)) for order in (group.victims, group.least_used) if order is not None]
+    for index, names in watched:
+        if index is None:
             continue
+        for name in names:
+            method = getattr(index, name, None)
+            if method is None:
+                continue
 
-        def paused(*args, _method=method, **kwargs):
-            mode.paused += 1
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                mode.paused -= 1
+            def paused(*args, _method=method, **kwargs):
+                mode.paused += 1
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    mode.paused -= 1
 
-        setattr(index, name, paused)
+            setattr(index, name, paused)
 
 
 @pytest.mark.parametrize("policy,lookahead,precision", [
@@ -231,8 +235,28 @@ def test_the_placement_searchs_index_bytes_are_what_a_lookahead_cache_holds():
     """The placement search's host bytes per slot for a cache's index (placement_search.py)
     equal what a lookahead cache reports in memory(), so a new per-slot
     tensor (the room search's scratch) cannot leave the placements short."""
-    from recsys_cli.embeddings.placement_search import INDEX_BYTES_PER_SLOT
+    from recsys_cli.embeddings.placement_search import cache_index_bytes
 
     group = _group("lru", lookahead=True, precision="fp32")
     index_bytes = [n for tier, what, n in group.memory() if what == "index"]
-    assert index_bytes == [INDEX_BYTES_PER_SLOT * SLOTS]
+    assert index_bytes == [cache_index_bytes(SLOTS, group.num_rows)]
+
+
+@pytest.mark.parametrize("policy,lookahead,precision", [("lru", False, "int8"), ("lru", True, "fp32")])
+def test_the_row_map_and_victim_order_cost_at_most_32_bytes_a_slot(policy, lookahead, precision):
+    """The index cost about 85 bytes a slot, more than an fp32 cache row of
+    dim 16 (issue 27): the row -> slot map (int32 keys and slots in 2 buckets
+    a slot) and the victim order (int32 entries, its scratch), measured on
+    their tensors at the most the order held while batches churned the cache."""
+    group = _group(policy, lookahead, precision)
+    assert group.slot_index.keys.dtype == torch.int32  # 200,000 rows: keys fit int32
+    _warm_up(group)
+    order_peak = group.victims.nbytes()
+    for plan in _plans(120):
+        group.prepare(plan)
+        group.release(plan)
+        order_peak = max(order_peak, group.victims.nbytes())
+    assert group.stats()["rows_evicted"] > 0
+    per_slot = (group.slot_index.nbytes() + order_peak) / SLOTS
+    assert group.slot_index.nbytes() == 16 * SLOTS
+    assert per_slot <= 32, f"{per_slot:.1f} bytes a slot"

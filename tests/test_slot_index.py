@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT, SlotIndex
+from recsys_cli.embeddings.slot_index import INT32_KEYS_BELOW, MAX_FILL, SlotIndex, index_bytes
 from devices import TEST_DEVICE
 
 
@@ -90,7 +90,7 @@ def test_full_index_and_churn():
         values = [ref.pop(k) for k in gone]
         index.insert(torch.tensor(fresh, device=TEST_DEVICE), torch.tensor(values, device=TEST_DEVICE))
         ref.update(zip(fresh, values))
-        assert index.size + index.tombstones <= 0.5 * index.num_buckets
+        assert index.size + index.tombstones <= MAX_FILL * index.num_buckets
     _check(index, ref, next_key)
 
 
@@ -102,7 +102,7 @@ def test_large_keys_and_memory_sized_to_capacity():
     index.insert(keys.to(TEST_DEVICE), torch.arange(4, device=TEST_DEVICE))
     assert index.lookup(keys.to(TEST_DEVICE)).cpu().tolist() == [0, 1, 2, 3]
     assert index.lookup(torch.tensor([6], device=TEST_DEVICE)).cpu().tolist() == [-1]
-    assert index.nbytes() == SlotIndex(1000).nbytes() == 1000 * BYTES_PER_SLOT
+    assert index.nbytes() == SlotIndex(1000).nbytes() == 2000 * (8 + 4) == index_bytes(1000)  # int64 keys
     assert index.lookup(torch.zeros(0, dtype=torch.int64, device=TEST_DEVICE)).numel() == 0
 
 
@@ -145,3 +145,37 @@ def test_probe_chains_that_wrap_past_the_last_bucket():
     for k in tail[2:9].tolist():
         del ref[k]
     _check(index, ref, 2_000_000)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int32_keys_equal_a_dict_and_cost_16_bytes_a_slot(seed):
+    """Keys of a table below 2**31 rows are held as int32 (issue 27: the index
+    cost 85 bytes a slot at Kaggle's 5 % cache): the same answers as a dict,
+    keys up to the bound included, in 2 buckets of 8 bytes per slot."""
+    rng = random.Random(seed)
+    capacity, top = 300, INT32_KEYS_BELOW - 1
+    index = SlotIndex(capacity, TEST_DEVICE, max_key=top)
+    assert index.keys.dtype == torch.int32 and index.nbytes() == capacity * 16 == index_bytes(capacity, top)
+    universe = [top, top - 1, 0, 1] + rng.sample(range(top), 2000)
+    ref: dict[int, int] = {}
+    for _ in range(80):
+        if ref and rng.random() < 0.45:
+            gone = rng.sample(sorted(ref), rng.randint(1, len(ref)))
+            assert index.remove(torch.tensor(gone, device=TEST_DEVICE)) == len(gone)
+            for k in gone:
+                del ref[k]
+        else:
+            fresh = [k for k in rng.sample(universe, 60) if k not in ref][: capacity - len(ref)]
+            values = [rng.randrange(capacity) for _ in fresh]
+            index.insert(torch.tensor(fresh, dtype=torch.int64, device=TEST_DEVICE),
+                         torch.tensor(values, device=TEST_DEVICE))
+            ref.update(zip(fresh, values))
+        queried = torch.tensor(rng.sample(universe, 100) + [top + 1, 1 << 40], dtype=torch.int64)  # and keys past it
+        want = torch.tensor([ref.get(k, -1) for k in queried.tolist()], dtype=torch.int64)
+        assert torch.equal(index.lookup(queried.to(TEST_DEVICE)).cpu(), want)
+    keys, values = index.items()
+    assert keys.dtype == torch.int64 and dict(zip(keys.cpu().tolist(), values.cpu().tolist())) == ref
+    with pytest.raises(ValueError, match="above the index's max_key"):
+        SlotIndex(4, TEST_DEVICE, max_key=10).insert(torch.tensor([11], device=TEST_DEVICE),
+                                                     torch.tensor([0], device=TEST_DEVICE))
+    assert SlotIndex(4, max_key=INT32_KEYS_BELOW).keys.dtype == torch.int64  # past the bound: int64 keys

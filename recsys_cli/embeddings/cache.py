@@ -225,7 +225,7 @@ class CachedGroup(TableGroup):
         self.cache_rows = torch.zeros(cache_slots, self.dim, device=dev)
         self.cache_state = torch.zeros(cache_slots, self.store.state_width, device=dev)
         # row -> slot for resident rows only: a hash map sized to the cache, not the table.
-        self.slot_index = SlotIndex(cache_slots)
+        self.slot_index = SlotIndex(cache_slots, max_key=self.num_rows - 1)  # int32 keys below 2**31 rows
         self.row_of_slot = torch.full((cache_slots,), -1, dtype=torch.int64)
         self.pins = torch.zeros(cache_slots, dtype=torch.int32)
         self.dirty = torch.zeros(cache_slots, dtype=torch.bool)
@@ -240,7 +240,8 @@ class CachedGroup(TableGroup):
         self.row_uses = torch.zeros(self.num_rows, dtype=torch.int32) if lfu_admission else None
         # Resident slots in eviction order (score, slot), and for LFU admission
         # by their rows' uses: a batch finds room without a pass over every slot.
-        self.victims = SlotOrder(cache_slots, _weak(self._score_of))
+        # compact_at=2: stale entries at most the slots, so the order costs at most 14 bytes a slot (slot_order.py).
+        self.victims = SlotOrder(cache_slots, _weak(self._score_of), compact_at=2)
         self.least_used = SlotOrder(cache_slots, _weak(self._uses_of)) if lfu_admission else None
         self.clock = 0
         self.prepared = 0  # index of the next batch prepare() takes

@@ -129,7 +129,7 @@ class DiskRowStore:
         self.host_capacity = max(0, min(int(host_cache_rows), self.num_rows))
         H = self.host_capacity
         self.host = torch.empty(H, R, dtype=torch.uint8)
-        self.index = SlotIndex(max(H, 1))
+        self.index = SlotIndex(max(H, 1), max_key=self.num_rows - 1)
         self.host_row = torch.full((H,), -1, dtype=torch.int64)
         self.host_dirty = torch.zeros(H, dtype=torch.bool)
         self.host_score = torch.zeros(H, dtype=torch.int64)

@@ -62,7 +62,7 @@ from typing import Iterable
 
 import numpy as np
 
-from recsys_cli.embeddings.slot_index import BYTES_PER_SLOT as SLOT_INDEX_BYTES_PER_SLOT
+from recsys_cli.embeddings.slot_index import index_bytes as slot_map_bytes
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
@@ -82,7 +82,13 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 # map sized to the cache), row_of_slot (int64), pins (int32), dirty (bool),
 # score (int64), free_slots (int64), the room search's scratch (int64, _Protection).
 INDEX_BYTES_PER_ROW = 0
-INDEX_BYTES_PER_SLOT = SLOT_INDEX_BYTES_PER_SLOT + 8 + 4 + 1 + 8 + 8 + 8
+SLOT_METADATA_BYTES = 8 + 4 + 1 + 8 + 8 + 8
+
+
+def cache_index_bytes(slots: int, num_rows: int) -> int:
+    """A cache index's host bytes: `slots` slots in front of a table of
+    `num_rows` rows (the slot index holds int32 keys below 2**31 rows)."""
+    return slot_index_bytes(slots, num_rows) + slots * SLOT_METADATA_BYTES
 # Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
 HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
 
@@ -346,19 +352,19 @@ def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state
                  host_cache_ratio: float = 0.05) -> dict[str, int]:
     if placement == "device":
         return {"device": t.num_rows * device_row_bytes(t.dim, state), "host": 0}
-    index = t.num_rows * INDEX_BYTES_PER_ROW + cache * INDEX_BYTES_PER_SLOT
+    index = t.num_rows * INDEX_BYTES_PER_ROW + (cache_index_bytes(cache, t.num_rows) if cache else 0)
     row = host_row_bytes(t.dim, precision, state)
     if placement == "disk":  # rows in a file; host memory: the host cache, its index, the device cache's index
         host_rows = int(round(t.num_rows * host_cache_ratio))
         return {"device": cache * device_row_bytes(t.dim, state),
-                "host": host_rows * (row + HOST_CACHE_BYTES_PER_SLOT) + slot_index_bytes(host_rows) + index,
+                "host": host_rows * (row + HOST_CACHE_BYTES_PER_SLOT) + slot_index_bytes(host_rows, t.num_rows) + index,
                 "disk": t.num_rows * row}
     return {"device": cache * device_row_bytes(t.dim, state), "host": t.num_rows * row + index}
 
 
-def slot_index_bytes(capacity: int) -> int:
-    """Bytes of a SlotIndex of `capacity` keys (slot_index.py: int64 keys and int32 values per bucket)."""
-    return max(capacity, 1) * SLOT_INDEX_BYTES_PER_SLOT
+def slot_index_bytes(capacity: int, num_rows: int) -> int:
+    """Bytes of a SlotIndex of `capacity` keys of a table of `num_rows` rows (slot_index.py)."""
+    return slot_map_bytes(max(capacity, 1), num_rows - 1)
 
 
 def place_tables(

@@ -3,9 +3,12 @@
 A cache of C slots in front of a table of N rows needs row -> slot for the
 rows it holds only. A dense map costs N entries however small C is (a 1 %
 cache of a 30M-row table would pay for 30M entries); this one is an
-open-addressing hash table of int64 keys (fused row ids) with linear probing,
-sized once to the cache: 4C buckets, so it is never more than a quarter full
-and costs 48 bytes per slot (BYTES_PER_SLOT), never anything per table row.
+open-addressing hash table of keys (fused row ids) with linear probing,
+sized once to the cache: 2C buckets, so it is never more than half full
+of live entries, each bucket an int32 value (the slot) and a key: int32 when
+every key is below 2**31 - 2 (`max_key`, the table's row count: Criteo's
+largest group has 34M rows), else int64. That is 16 bytes per slot
+(24 with int64 keys; index_bytes), never anything per table row.
 
 Every operation is vectorised over a batch of keys: a probe round reads a
 window of _WINDOW buckets for every still-unresolved key at once, and the
@@ -17,7 +20,10 @@ the first free bucket of its window, the lowest batch position wins a
 contested one, the others probe on past it. Removal
 leaves a tombstone (lookups probe past it, inserts reuse it); when live
 entries plus tombstones pass half of the buckets the table is rebuilt from its
-live entries, so probe chains stay short under any insert/remove pattern.
+live entries, so probe chains stay short under any insert/remove pattern
+(at most 80 % of the buckets used, half of them live when the cache is
+full: a probe round reads _WINDOW buckets, so most keys resolve in one or
+two rounds).
 
 The tensors live on the index's device (CPU or CUDA): the same code runs on
 both. On CUDA each probe round reads back whether any key is unresolved (a
@@ -33,25 +39,44 @@ from recsys_cli.embeddings.counter import MASK32, mul32
 
 EMPTY = -1
 TOMBSTONE = -2
-_MAX_FILL = 0.5  # live + tombstones above this fraction of the buckets: rebuild
+MAX_FILL = 0.8  # live + tombstones above this fraction of the buckets: rebuild
 _WINDOW = 8  # buckets a probe round reads per key
 _GOLDEN = 0x9E3779B1  # 2**32 / the golden ratio, odd
-BUCKETS_PER_SLOT = 4
-BYTES_PER_SLOT = BUCKETS_PER_SLOT * (8 + 4)  # an int64 key and an int32 value per bucket
+INT32_KEYS_BELOW = (1 << 31) - 2  # keys up to here fit int32 beside EMPTY and TOMBSTONE
+
+
+def num_buckets(capacity: int) -> int:
+    """2 buckets per key: at most half full of live entries (a count linear in
+    the capacity, so the planner's per-table sum is a fused group's bytes)."""
+    return 2 * capacity
+
+
+def key_dtype(max_key: int | None) -> torch.dtype:
+    """int32 keys when every key is at most max_key < INT32_KEYS_BELOW, else int64."""
+    return torch.int32 if max_key is not None and max_key < INT32_KEYS_BELOW else torch.int64
+
+
+def index_bytes(capacity: int, max_key: int | None = None) -> int:
+    """Bytes of a SlotIndex of `capacity` keys of at most `max_key` (None: any int64):
+    per bucket a key and an int32 value."""
+    return num_buckets(capacity) * (torch.empty(0, dtype=key_dtype(max_key)).element_size() + 4)
 
 
 class SlotIndex:
+    debug_bounds = True  # check inserted keys against max_key (one max per insert)
     """A map of at most `capacity` distinct non-negative int64 keys to int64
-    values (cache slots). lookup/insert/remove take 1-D int64 key tensors."""
+    values (cache slots). lookup/insert/remove take 1-D int64 key tensors;
+    `max_key`: no key is larger (the table's rows - 1), so keys may be held as int32."""
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, capacity: int, device: torch.device | str = "cpu", max_key: int | None = None) -> None:
         if not 1 <= capacity < 1 << 29:
             raise ValueError(f"a slot index holds 1 to 2**29 - 1 keys, not {capacity}")
         self.capacity = capacity
         self.device = torch.device(device)
-        self.num_buckets = BUCKETS_PER_SLOT * capacity  # < 2**31: the home bucket's product stays in int64
+        self.num_buckets = num_buckets(capacity)  # < 2**31: the home bucket's product stays in int64
         self._steps = torch.arange(_WINDOW, device=self.device).unsqueeze(1)  # a column: windows are [_WINDOW, n]
-        self.keys = torch.full((self.num_buckets,), EMPTY, dtype=torch.int64, device=self.device)
+        self.max_key = max_key
+        self.keys = torch.full((self.num_buckets,), EMPTY, dtype=key_dtype(max_key), device=self.device)
         # Slots fit in int32 (a cache has far fewer than 2**31 slots).
         self.values = torch.full((self.num_buckets,), -1, dtype=torch.int32, device=self.device)
         self.size = 0  # live entries
@@ -128,7 +153,9 @@ class SlotIndex:
             return
         if self.size + n > self.capacity:
             raise ValueError(f"slot index full: {self.size} + {n} keys exceed its capacity of {self.capacity}")
-        if self.size + self.tombstones + n > _MAX_FILL * self.num_buckets:
+        if self.max_key is not None and self.debug_bounds and int(keys.max()) > self.max_key:
+            raise ValueError(f"key {int(keys.max())} above the index's max_key {self.max_key}")
+        if self.size + self.tombstones + n > MAX_FILL * self.num_buckets:
             self._rebuild()
         self._place(keys, values)
         self.size += n
@@ -157,7 +184,7 @@ class SlotIndex:
             won_mask = self.values.index_select(0, claimed) == claimant
             won, won_bucket = claims[won_mask], claimed[won_mask]
             reused += (self.keys.index_select(0, won_bucket) == TOMBSTONE).sum()
-            self.keys.index_copy_(0, won_bucket, keys.index_select(0, won))
+            self.keys.index_copy_(0, won_bucket, keys.index_select(0, won).to(self.keys.dtype))
             self.values.index_copy_(0, won_bucket, values.index_select(0, won))
             if won.numel() == at.numel():
                 break
@@ -187,7 +214,7 @@ class SlotIndex:
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of every entry, in bucket order."""
         live = torch.nonzero(self.keys >= 0).flatten()
-        return self.keys[live], self.values[live].to(torch.int64)
+        return self.keys[live].to(torch.int64), self.values[live].to(torch.int64)
 
     def clear(self) -> None:
         self.keys.fill_(EMPTY)

@@ -17,6 +17,15 @@ compacts them, so an LFU bucket that many batches pushed into costs its size
 once per eviction pass, which frees a chunk of slots: amortised O(1) a slot.
 Entries left stale beyond `compact_at` times the slots are swept by a
 rebuild from the current keys, amortised over as many pushes.
+
+Memory (issue 27: the index cost more than the cache): entries are int32
+slots (a cache has far fewer than 2**31), one per resident slot plus the
+stale ones (at most `compact_at` times the slots in all, then a rebuild),
+and the scratch is 6 bytes a slot: with compact_at=2 (a cache's victim
+order) at most 14 bytes a slot and one batch's pushes (`nbytes` counts them).
+An order read by min_key (LFU admission) keeps compact_at=4: min_key reads
+a bucket's segments until one has an unprotected slot, and right after a
+rebuild the smallest bucket is one segment of many slots.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
+_SLOT = torch.int32  # entries and scratch positions: slots < 2**31
 
 
 class SlotOrder:
@@ -40,7 +50,12 @@ class SlotOrder:
         # (never filled whole): protected slots, slots taken, a slot's entry.
         self._mask = torch.zeros(capacity, dtype=torch.bool)
         self._taken = torch.zeros(capacity, dtype=torch.bool)
-        self._where = torch.full((capacity,), -1, dtype=torch.int64)
+        self._where = torch.full((capacity,), -1, dtype=_SLOT)
+
+    def nbytes(self) -> int:
+        """Bytes held now: the entries and the scratch."""
+        scratch = sum(t.numel() * t.element_size() for t in (self._mask, self._taken, self._where))
+        return scratch + self._entries * torch.empty(0, dtype=_SLOT).element_size()
 
     def clear(self) -> None:
         self._buckets.clear()
@@ -58,17 +73,19 @@ class SlotOrder:
             for key, part in zip(distinct.tolist(), torch.split(slots[order], counts.tolist())):
                 self._add(key, part)
         if self._entries > self.compact_at * self.capacity:
-            self.rebuild(torch.arange(self.capacity))
+            self.rebuild()
 
-    def rebuild(self, slots: torch.Tensor) -> None:
-        """Forget every entry and push `slots` with their current keys (after a restore)."""
+    def rebuild(self, slots: torch.Tensor | None = None) -> None:
+        """Forget every entry and push `slots` (None: every slot) with their current keys."""
+        if slots is None:
+            slots = torch.arange(self.capacity)
         self.clear()
         keys = self.current(slots)
         held = keys >= 0
         self.push(slots[held], keys[held])
 
     def _add(self, key: int, slots: torch.Tensor) -> None:
-        self._buckets.setdefault(key, []).append(slots)
+        self._buckets.setdefault(key, []).append(slots.to(_SLOT))
         self._entries += slots.numel()
 
     def _protect(self, protected: torch.Tensor, on: bool) -> None:
@@ -109,12 +126,12 @@ class SlotOrder:
                     del self._buckets[key]
         finally:
             self._protect(protected, False)
-        return torch.sort(torch.cat(out)).values if out else _EMPTY
+        return torch.sort(torch.cat(out)).values.to(torch.int64) if out else _EMPTY
 
     def _first_copy(self, entries: torch.Tensor) -> torch.Tensor:
         """A mask keeping one entry per slot (a slot may be pushed twice with
         the same key: an LFU slot evicted, refilled and used as often again)."""
-        position = torch.arange(entries.numel())
+        position = torch.arange(entries.numel(), dtype=_SLOT)
         self._where[entries] = position  # of duplicates, one position wins
         first = self._where[entries] == position
         self._where[entries] = -1

@@ -223,6 +223,28 @@ def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothi
     assert after == before and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
+def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path):
+    """A start that fails before any output (here: no dataset) left an empty
+    outputs/DATE/TIME/ (its lock, .hydra/, an empty app.log) per attempt (issue 28)."""
+    missing = ["dataset=criteo_kaggle", f"dataset.path={tmp_path / 'nope'}", "trainer.progress=false"]
+    r = recsys("train", *missing, cwd=tmp_path)
+    assert_user_error(r, "does not exist")
+    assert not (tmp_path / "outputs").exists()  # outputs/, its DATE/ and TIME/ were all made by this start
+    # A directory that was there before stays: another run's, and one named with hydra.run.dir.
+    other = tmp_path / "outputs" / "2026-01-01" / "10-00-00"
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "mine").mkdir()
+    assert_user_error(recsys("train", *missing, cwd=tmp_path), "does not exist")
+    assert_user_error(recsys("train", *missing, "hydra.run.dir=mine", cwd=tmp_path), "does not exist")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "outputs").rglob("*")) == [
+        "outputs/2026-01-01", "outputs/2026-01-01/10-00-00", "outputs/2026-01-01/10-00-00/metrics.jsonl"]
+    assert (tmp_path / "mine").is_dir()
+    # hydra.run.dir naming directories that do not exist yet: they are this start's.
+    assert_user_error(recsys("train", *missing, "hydra.run.dir=new/run", cwd=tmp_path), "does not exist")
+    assert not (tmp_path / "new").exists()
+
+
 # --- 6. metrics.jsonl after a resume ---------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 # overwrite the first one's; the app saves it itself once it holds the lock.
 _output_subdir: str | None = ".hydra"
 _started = False  # the app ran: Hydra accepted the command line
+_existing: set[Path] = set()  # run/sweep directories named on the command line that existed before Hydra ran
 
 
 def train_main(cfg: DictConfig) -> float | None:
@@ -37,6 +38,8 @@ def train_main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     from recsys_cli.train import distributed  # torch: only once the config is known to be good
 
+    # what Hydra just made for this run: removed again if the start fails before any output
+    created = rundir.unused_dirs(run_dir, Path.cwd(), _existing) if os.environ.get("RANK", "0") == "0" else []
     try:
         distributed.check_process_count(cfg)  # before the run directory is made: nothing is written
         with contextlib.ExitStack() as locks:
@@ -49,6 +52,7 @@ def train_main(cfg: DictConfig) -> float | None:
                 save_hydra_config(cfg, run_dir / _output_subdir)
             return _train(cfg, run_dir)
     except UserError as e:
+        rundir.remove_unused(created)  # after the lock is released
         fail(str(e))
     except Preempted as e:  # one process; ranks report their own (distributed_app)
         say_preempted(str(e))
@@ -147,6 +151,7 @@ def run_train_app(overrides: list[str]) -> None:
         if o.lstrip("+").startswith("hydra.output_subdir="):
             value = o.split("=", 1)[1]
             _output_subdir = None if value in ("null", "~", "") else value
+    _existing.update(rundir.existing_dirs(overrides))
     sys.argv = ["recsys train", *overrides, "hydra.output_subdir=null"]
     try:
         app()

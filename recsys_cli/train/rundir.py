@@ -74,3 +74,72 @@ def refuse_reuse(run_dir: Path, checkpoint_dir: Path | None) -> None:
         return
     raise UserError(f"{what}: resume it with trainer.resume=true, or choose another directory "
                     "(hydra.run.dir=DIR); nothing was changed")
+
+
+# What a start writes before the run has any output of its own: the lock, the
+# composed config, Hydra's job log (empty until the first log line) and an
+# empty metrics.jsonl.
+START_FILES = (LOCK_NAME, ".hydra", "app.log", "metrics.jsonl")
+
+
+def _holds_output(directory: Path) -> bool:
+    for entry in directory.iterdir():
+        if entry.name not in START_FILES:
+            return True
+        if entry.is_file() and entry.name != LOCK_NAME and entry.stat().st_size > 0:
+            return True
+    return False
+
+
+def existing_dirs(overrides: list[str]) -> set[Path]:
+    """Before Hydra runs: the directories named by hydra.run.dir= / hydra.sweep.dir=
+    overrides, and their ancestors, that exist already (the user's, not ours)."""
+    out: set[Path] = set()
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value:
+            path = Path(value).expanduser().resolve()
+            out.update(p for p in (path, *path.parents) if p.is_dir())
+    return out
+
+
+def unused_dirs(run_dir: Path, stop: Path, existing: set[Path] = frozenset()) -> list[Path]:
+    """Called as a run starts: the run directory and the ancestors strictly
+    below `stop` (the working directory) that hold nothing but the path to it
+    and were not in `existing` before Hydra ran, i.e. what Hydra has just
+    created for this run. Empty when the run directory held anything already
+    (another run's, or the user's)."""
+    run_dir, stop = run_dir.resolve(), stop.resolve()
+    if (not run_dir.is_dir() or run_dir in existing or not run_dir.is_relative_to(stop) or run_dir == stop
+            or _holds_output(run_dir) or (run_dir / LOCK_NAME).exists() or (run_dir / ".hydra").exists()):
+        return []
+    created = [run_dir]
+    child = run_dir
+    for parent in run_dir.parents:
+        if parent == stop or parent in existing or not parent.is_relative_to(stop):
+            break
+        if [e.name for e in parent.iterdir()] != [child.name]:
+            break
+        created.append(parent)
+        child = parent
+    return created
+
+
+def remove_unused(created: list[Path]) -> None:
+    """After a failed start: remove the directories `unused_dirs` found, if the
+    run wrote no output into them (only its lock, config and empty logs)."""
+    if not created or not created[0].is_dir() or _holds_output(created[0]):
+        return
+    import shutil
+
+    for name in START_FILES:
+        path = created[0] / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    for directory in created:
+        try:
+            directory.rmdir()  # only if empty: a directory something else wrote into stays
+        except OSError:
+            return

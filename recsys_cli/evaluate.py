@@ -11,7 +11,7 @@ its test split, else val) with the checkpoint and writes, into output
                     observed rate per tenth of the predicted probability),
                     and the ROC curve's points
   roc.png           the ROC curve
-  calibration.png   observed vs predicted click rate per bin
+  calibration.png   observed vs predicted click rate per bin, with the rows in each bin
 
 The metrics are the trainer's (recsys_cli/train/metrics.py), computed from
 the same logits: evaluating a finished run's checkpoint on its val split
@@ -62,33 +62,45 @@ def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
     return out
 
 
-def _against_diagonal(path: Path, xs, ys, label: str, legend: str, xlabel: str, ylabel: str, title: str,
-                      **style) -> Path:
+def _against_diagonal(xs, ys, label: str, legend: str, xlabel: str, ylabel: str, title: str,
+                      point_notes: list[str] | None = None, **style):
     """One curve on the unit square beside the diagonal (chance for ROC,
-    perfect calibration for the calibration curve), saved as a PNG."""
+    perfect calibration for the calibration curve); `point_notes` are
+    written beside the curve's points."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(5, 5))
     ax = fig.add_subplot()
     ax.plot(xs, ys, label=label, **style)
+    for x, y, note in zip(xs, ys, point_notes or []):
+        ax.annotate(note, (x, y), fontsize=7, xytext=(-5, 5), textcoords="offset points", ha="right", color="dimgrey",
+                    bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     ax.plot([0, 1], [0, 1], linestyle=":", color="grey")
     ax.set(xlabel=xlabel, ylabel=ylabel, xlim=(0, 1), ylim=(0, 1), title=title)
     ax.legend(loc=legend)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
+    return fig
+
+
+def calibration_figure(result: dict):
+    """Observed against predicted click rate per bin, each point labelled
+    with the rows in its bin (a point of 12 rows is noise, one of 1M is not)."""
+    full = [b for b in result["calibration_bins"] if b["rows"]]
+    return _against_diagonal([b["predicted"] for b in full], [b["observed"] for b in full],
+                             f"calibration {result['calibration']:.3f}\n(beside each point: rows in its bin)",
+                             "upper left", "mean predicted click rate (bin)", "observed click rate",
+                             f"calibration: {result['split']}, NE {result['normalized_entropy']:.4f}",
+                             point_notes=[f"{b['rows']:,}" for b in full], marker="o")
 
 
 def plot(result: dict, directory: Path) -> list[Path]:
-    full = [b for b in result["calibration_bins"] if b["rows"]]
-    return [
-        _against_diagonal(directory / "roc.png", result["roc"]["fpr"], result["roc"]["tpr"],
-                          f"AUC {result['auc']:.4f}", "lower right", "false positive rate", "true positive rate",
-                          f"ROC: {result['split']} ({result['samples']:,} rows)"),
-        _against_diagonal(directory / "calibration.png", [b["predicted"] for b in full], [b["observed"] for b in full],
-                          f"calibration {result['calibration']:.3f}", "upper left",
-                          "mean predicted click rate (bin)", "observed click rate",
-                          f"calibration: {result['split']}, NE {result['normalized_entropy']:.4f}", marker="o"),
-    ]
+    roc = _against_diagonal(result["roc"]["fpr"], result["roc"]["tpr"], f"AUC {result['auc']:.4f}", "lower right",
+                            "false positive rate", "true positive rate",
+                            f"ROC: {result['split']} ({result['samples']:,} rows)")
+    written = []
+    for fig, name in ((roc, "roc.png"), (calibration_figure(result), "calibration.png")):
+        fig.savefig(directory / name, dpi=110, bbox_inches="tight")
+        written.append(directory / name)
+    return written
 
 
 def evaluate(cfg: EvaluateConfig, console=None) -> dict:

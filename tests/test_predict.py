@@ -194,6 +194,12 @@ def test_evaluate_matches_the_trainers_metrics(trained, tmp_path):
     assert json.loads((out / "evaluation.json").read_text())["auc"] == ref["auc"]
     for png in ("roc.png", "calibration.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the calibration plot says how many rows each point stands for (issue 28)
+    from recsys_cli.evaluate import calibration_figure
+
+    ax = calibration_figure(result).axes[0]
+    assert [t.get_text() for t in ax.texts] == [f"{b['rows']:,}" for b in bins if b["rows"]]
+    assert "rows in its bin" in ax.get_legend().get_texts()[0].get_text()
     # rerun replaces its own output; a foreign directory is refused
     evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(out), progress=False,
                             device="cpu", plots=False))

@@ -297,3 +297,71 @@ def test_the_console_shows_the_disk_tier_when_a_run_has_one(tmp_path):
         assert cell in line, (cell, line)
     assert "placement=lookahead" not in disk_table  # only runs with a disk tier
     assert "read amp" in disk_table and "wait ms/step" in disk_table
+
+
+# --- plots: labels that do not collide, totals inside the frame, one AUC axis per dataset (issue 28) ---------------
+def mixed_sweep(tmp_path: Path) -> Path:
+    """Four runs differing in several keys (long stacked labels), two on the
+    synthetic data and two on a Criteo dataset, the tallest phase bar last."""
+    root = tmp_path / "mixed"
+    specs = [("synthetic", None, "device", "fp32", 0.76), ("synthetic", None, "lookahead", "int8", 0.75),
+             ("criteo_kaggle", "data/kaggle", "device", "fp32", 0.79), ("criteo_kaggle", "data/kaggle", "lookahead", "int8", 0.80)]
+    for i, (name, path, placement, precision, auc) in enumerate(specs):
+        run = root / str(i)
+        write_run(run, [f"dataset={name}", f"placement={placement}", f"precision={precision}",
+                        f"placement.cache_ratio=0.0{i + 1}", f"optimizer.lr=0.0{i + 5}"],
+                  placement=placement, precision=precision, auc=auc, phase_scale=1.0 + i)
+        summary = json.loads((run / "summary.json").read_text())
+        summary["config"]["dataset"] = {"name": name, "path": path}
+        (run / "summary.json").write_text(json.dumps(summary))
+    return root
+
+
+def drawn(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()
+
+
+def assert_labels_apart(ax, renderer) -> None:
+    boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    assert len(boxes) >= 2
+    for left, right in zip(boxes, boxes[1:]):
+        assert left.x1 < right.x0, (left, right)  # "placement=lookaheadplacement=lookahead" before
+
+
+def test_plot_labels_do_not_collide_and_totals_stay_inside_the_frame(tmp_path):
+    from recsys_cli.report.plots import _bar_by_run, _phase_figure
+
+    report = build_report(mixed_sweep(tmp_path), plots=False)
+    runs = report.runs
+    assert all(len(r.label.split()) >= 4 for r in runs)  # several keys differ
+    for fig in (_phase_figure(runs), _bar_by_run(runs, [r.steady_samples_per_second for r in runs], "t", "y", ",.0f",
+                                                  zoom=False)):
+        renderer = drawn(fig)
+        ax = fig.axes[0]
+        assert_labels_apart(ax, renderer)
+        frame = ax.get_window_extent(renderer)
+        values = [t for t in ax.texts if t.get_text()]
+        assert values and all(frame.y0 <= t.get_window_extent(renderer).y1 <= frame.y1 for t in values), \
+            "a bar's value label is clipped at the top of the plot"
+
+
+def test_auc_plot_has_one_axis_per_dataset(tmp_path):
+    from recsys_cli.report.plots import _auc_figure, by_dataset
+
+    report = build_report(mixed_sweep(tmp_path), plots=True)
+    assert_png(report.out / PLOT_NAMES["auc"])
+    groups = by_dataset(report.runs)
+    assert list(groups) == ["synthetic", "criteo_kaggle (data/kaggle)"]
+    fig = _auc_figure(report.runs)
+    renderer = drawn(fig)
+    assert len(fig.axes) == 2
+    for ax, (dataset, members) in zip(fig.axes, groups.items()):
+        assert dataset in ax.get_title()
+        assert [t.get_text() for t in ax.texts] == [f"{r.final('val', 'auc'):.4f}" for r in members]
+        lo, hi = ax.get_ylim()
+        aucs = [r.final("val", "auc") for r in members]
+        assert lo < min(aucs) and max(aucs) < hi and hi - lo < 0.05  # each zoomed to its own data
+        assert_labels_apart(ax, renderer)

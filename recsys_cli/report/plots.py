@@ -1,7 +1,7 @@
 """The report's plots (matplotlib, imported only when plotting):
 
   throughput.png      steady-state samples/s per run, coloured by placement / precision
-  auc.png             validation AUC per run, same colours
+  auc.png             validation AUC per run, same colours, one panel per dataset
   phase_seconds.png   seconds per phase per run, stacked
   cache_overhead.png  the cache's cost per step against lookahead window and
                       cache size (only when some run uses a cache)
@@ -37,25 +37,47 @@ def _colours(groups: list[str]) -> dict[str, tuple]:
     return {g: cmap(i % 10) for i, g in enumerate(order)}
 
 
-def _run_ticks(ax, xs: list[int], labels: list[str], notes: list[str] | None = None) -> None:
-    """Run labels under the bars: one override a line while few runs, slanted
-    when many; `notes` go after each label, in parentheses."""
+# Inches a character of the 8-point tick labels takes, and a line of them.
+_CHAR_INCHES = 0.07
+_LINE_INCHES = 0.16
+_STACKED_MAX = 8  # up to this many runs, one override a line under each bar; more: vertical labels
+
+
+def _tick_texts(labels: list[str], notes: list[str] | None = None) -> list[str]:
     notes = notes or [""] * len(labels)
-    if len(labels) <= 6:
-        ax.set_xticks(xs, [label.replace(" ", "\n") + (f"\n({n})" if n else "") for label, n in zip(labels, notes)],
-                      fontsize=8)
+    if len(labels) <= _STACKED_MAX:
+        return [label.replace(" ", "\n") + (f"\n({n})" if n else "") for label, n in zip(labels, notes)]
+    return [label + (f" ({n})" if n else "") for label, n in zip(labels, notes)]
+
+
+def _run_inches(labels: list[str], notes: list[str] | None = None) -> float:
+    """Width a run needs along the x axis so that its label does not run into
+    its neighbours': the longest line of a stacked label, or a line's height
+    when the labels stand vertically."""
+    if len(labels) > _STACKED_MAX:
+        return max(0.5, 2 * _LINE_INCHES)
+    longest = max((len(line) for t in _tick_texts(labels, notes) for line in t.split("\n")), default=0)
+    return max(0.9, _CHAR_INCHES * longest + 0.25)
+
+
+def _run_ticks(ax, xs: list[int], labels: list[str], notes: list[str] | None = None) -> None:
+    """Run labels under the bars: one override a line while few runs (the
+    figure is made wide enough for the longest, _run_inches), vertical when many."""
+    texts = _tick_texts(labels, notes)
+    if len(labels) <= _STACKED_MAX:
+        ax.set_xticks(xs, texts, fontsize=8)
     else:
-        ax.set_xticks(xs, [label + (f" ({n})" if n else "") for label, n in zip(labels, notes)],
-                      rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(xs, texts, rotation=90, ha="center", fontsize=8)
 
 
-def _bar_by_run(runs: list[Run], values: list[float | None], title: str, ylabel: str, fmt: str, zoom: bool):
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+def _headroom(ax, top: float) -> None:
+    """Room above the tallest bar for its value label (else clipped at the frame)."""
+    if top > 0:
+        ax.set_ylim(ax.get_ylim()[0], top * 1.12)
 
-    colours = _colours([r.group for r in runs])
-    fig = Figure(figsize=(max(6.0, 0.9 * len(runs) + 3), 4.8))
-    ax = fig.add_subplot()
+
+def _draw_bars(ax, runs: list[Run], values: list[float | None], colours: dict, ylabel: str, fmt: str,
+               zoom: bool) -> None:
     xs = range(len(runs))
     heights = [v if v is not None and not math.isnan(v) else 0.0 for v in values]
     bars = ax.bar(xs, heights, color=[colours[r.group] for r in runs], edgecolor="black", linewidth=0.5)
@@ -65,6 +87,8 @@ def _bar_by_run(runs: list[Run], values: list[float | None], title: str, ylabel:
         pad = max((hi - lo) * 0.3, 0.005)
         ax.set_ylim(max(0.0, lo - pad), hi + pad)
         ylabel += " (axis zoomed, does not start at 0)"
+    else:
+        _headroom(ax, max(heights, default=0.0))
     for bar, v in zip(bars, values):
         text = "n/a" if v is None or math.isnan(v) else format(v, fmt)
         y = bar.get_height() if v is not None and not math.isnan(v) else ax.get_ylim()[0]
@@ -73,10 +97,53 @@ def _bar_by_run(runs: list[Run], values: list[float | None], title: str, ylabel:
     _run_ticks(ax, list(xs), [r.label for r in runs])
     ax.set_xlabel("run (the overrides that differ between runs)")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _legend(ax, colours: dict) -> None:
+    from matplotlib.patches import Patch
+
     ax.legend(handles=[Patch(facecolor=c, edgecolor="black", label=g) for g, c in colours.items()],
               title="placement / precision", fontsize=8, title_fontsize=8, loc="best")
-    ax.grid(axis="y", alpha=0.3)
+
+
+def _bar_by_run(runs: list[Run], values: list[float | None], title: str, ylabel: str, fmt: str, zoom: bool):
+    from matplotlib.figure import Figure
+
+    colours = _colours([r.group for r in runs])
+    fig = Figure(figsize=(max(6.0, _run_inches([r.label for r in runs]) * len(runs) + 3), 4.8))
+    ax = fig.add_subplot()
+    _draw_bars(ax, runs, values, colours, ylabel, fmt, zoom)
+    ax.set_title(title)
+    _legend(ax, colours)
+    return fig
+
+
+def by_dataset(runs: list[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by the dataset they trained on, in first-seen order."""
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.dataset, []).append(r)
+    return groups
+
+
+def _auc_figure(runs: list[Run]):
+    """Validation AUC per run; one panel (and axis) per dataset: AUCs of
+    different data are not comparable, and one zoomed axis would squash both."""
+    from matplotlib.figure import Figure
+
+    groups = by_dataset(runs)
+    colours = _colours([r.group for r in runs])
+    widths = [max(3.0, _run_inches([r.label for r in g]) * len(g) + 1.5) for g in groups.values()]
+    fig = Figure(figsize=(max(6.0, sum(widths) + 1.5), 4.8), layout="constrained")  # panels apart from each other
+    axes = fig.subplots(1, len(groups), squeeze=False, gridspec_kw={"width_ratios": widths})[0]
+    for ax, (dataset, members) in zip(axes, groups.items()):
+        _draw_bars(ax, members, [r.final("val", "auc") for r in members], colours, "validation AUC", ".4f", zoom=True)
+        ax.set_title(f"dataset: {dataset}" if len(groups) > 1 else "Validation AUC per run (higher is better)",
+                     fontsize=10)
+    if len(groups) > 1:
+        fig.suptitle("Validation AUC per run, one panel per dataset (higher is better)")
+    _legend(axes[-1], colours)
     return fig
 
 
@@ -87,7 +154,8 @@ def _phase_figure(runs: list[Run]):
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10"]
-    fig = Figure(figsize=(max(6.0, 0.9 * len(runs) + 4), 5.0))
+    notes = [f"{r.steps:,} steps" if r.steps is not None else "" for r in runs]
+    fig = Figure(figsize=(max(6.0, _run_inches([r.label for r in runs], notes) * len(runs) + 4), 5.0))
     ax = fig.add_subplot()
     xs = list(range(len(runs)))
     bottom = [0.0] * len(runs)
@@ -95,9 +163,10 @@ def _phase_figure(runs: list[Run]):
         heights = [r.phase_seconds.get(phase, 0.0) for r in runs]
         ax.bar(xs, heights, bottom=bottom, label=phase.replace("_", " "), color=cmap(i % 10), edgecolor="white", linewidth=0.5)
         bottom = [b + h for b, h in zip(bottom, heights)]
+    _headroom(ax, max(bottom, default=0.0))
     for x, total in zip(xs, bottom):
         ax.annotate(f"{total:.1f} s", (x, total), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-    _run_ticks(ax, xs, [r.label for r in runs], [f"{r.steps:,} steps" if r.steps is not None else "" for r in runs])
+    _run_ticks(ax, xs, [r.label for r in runs], notes)
     ax.set_xlabel("run (the overrides that differ between runs)")
     ax.set_ylabel("seconds spent in each phase (whole run)")
     ax.set_title("Where the time goes: seconds per training phase, per run")
@@ -139,7 +208,7 @@ def _cache_figure(runs: list[Run]):
         return "" if rate is None else f"hit {rate:.0%}"
 
     if not panels:
-        fig = Figure(figsize=(max(6.5, 1.4 * len(runs) + 3), 5.2))
+        fig = Figure(figsize=(max(6.5, max(1.4, _run_inches([r.label for r in runs])) * len(runs) + 3), 5.2))
         ax = fig.add_subplot()
         colours = _colours([r.group for r in runs])
         xs = list(range(len(runs)))
@@ -232,9 +301,7 @@ def make_plots(runs: list[Run], out: Path) -> tuple[list[Path], list[str]]:
                       ",.0f", zoom=False)
     _save(fig, out / PLOT_NAMES["throughput"])
     written.append(out / PLOT_NAMES["throughput"])
-    aucs = [r.final("val", "auc") for r in runs]
-    fig = _bar_by_run(runs, aucs, "Validation AUC per run (higher is better)", "validation AUC", ".4f", zoom=True)
-    _save(fig, out / PLOT_NAMES["auc"])
+    _save(_auc_figure(runs), out / PLOT_NAMES["auc"])
     written.append(out / PLOT_NAMES["auc"])
     if any(r.phase_seconds for r in runs):
         _save(_phase_figure(runs), out / PLOT_NAMES["phases"])

@@ -41,6 +41,14 @@ class Run:
         return str(self.summary.get("precision") or config_value(self.summary, "precision", "kind") or "?")
 
     @property
+    def dataset(self) -> str:
+        """The data the run trained on: the dataset config's name, and its path
+        when it has one (two Criteo datasets are different data)."""
+        cfg = (self.summary.get("config") or {}).get("dataset") or {}
+        name, path = cfg.get("name") or "?", cfg.get("path")
+        return f"{name} ({path})" if path else str(name)
+
+    @property
     def group(self) -> str:
         return f"{self.placement} / {self.precision}"
 

@@ -39,6 +39,8 @@ SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.
 LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placement__window=4)
 DISK = {**LOOKAHEAD, "placement__kind": "disk", "placement__host_cache_rows": 16}
 CACHE_AVG_EARLY = dict(placement__cache_rows=1200, trainer__embedding_sync="cache_avg", trainer__sync_every=10)
+AVG_EVERY_STEP = dict(trainer__embedding_sync="cache_avg", trainer__sync_every=1)  # equals grad sync under SGD
+HALF = dict(trainer__max_steps=STEPS // 2)
 DCN_SCHEDULE = dict(model__interaction="dcn", model__dcn_layers=2, model__dcn_rank=8,
                     optimizer__schedule="warmup_poly", optimizer__warmup_steps=5)
 
@@ -127,6 +129,13 @@ def runs(cache_dir, tmp_path_factory):
     """Every two-process run of this file, in one launch."""
     ckpt = tmp_path_factory.mktemp("ck")
     live = tmp_path_factory.mktemp("disk")
+    ck_avg, ck_one = tmp_path_factory.mktemp("ck-avg"), tmp_path_factory.mktemp("ck-one")
+    # the first half of the one-process run, for the resumes on two processes
+    one_half = single(config(cache_dir, **LOOKAHEAD, **HALF, trainer__checkpoint_dir=str(ck_one)))
+
+    def resumed(location, **overrides):  # the second half from `location`'s checkpoint, writing none
+        return config(cache_dir, **LOOKAHEAD, **overrides, trainer__resume=str(location), trainer__final_checkpoint=False)
+
     configs = {
         "device": config(cache_dir),
         "lookahead": config(cache_dir, **LOOKAHEAD),
@@ -142,13 +151,20 @@ def runs(cache_dir, tmp_path_factory):
         # cache_avg with a cache that fills up between syncs: rank 0 asks for early averages to free slots
         "cache_avg_early": config(cache_dir, **{**LOOKAHEAD, **CACHE_AVG_EARLY}),
         "disk_cache_avg_early": config(cache_dir, **{**DISK, **CACHE_AVG_EARLY}, placement__disk_path=str(live)),
+        # resumes across sync modes and process counts (after "half", whose checkpoint they read)
+        "half_cache_avg": config(cache_dir, **LOOKAHEAD, **AVG_EVERY_STEP, **HALF, trainer__checkpoint_dir=str(ck_avg)),
+        "grad_to_cache_avg": resumed(ckpt, **AVG_EVERY_STEP),
+        "cache_avg_to_grad": resumed(ck_avg),
+        "one_to_grad": resumed(ck_one),
+        "one_to_cache_avg": resumed(ck_one, **AVG_EVERY_STEP),
     }
     start = time.perf_counter()
     ranks = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])
     out = ranks[0]
     out["other_ranks"] = [ranks[r] for r in range(1, NPROC)]
     print(f"\n{NPROC}-process runs: {time.perf_counter() - start:.1f} s")
-    out["checkpoint_dir"] = ckpt
+    out["checkpoint_dir"], out["cache_avg_checkpoint_dir"] = ckpt, ck_avg
+    out["one_half"] = one_half
     return out
 
 
@@ -243,6 +259,55 @@ def test_resume_with_another_number_of_processes(runs, cache_dir, reference):
     resumed = single(config(cache_dir, trainer__checkpoint_dir=str(runs["checkpoint_dir"]), trainer__resume="true"))
     assert len(resumed["losses"]) == STEPS - STEPS // 2
     assert_same({**resumed, "losses": runs["half"]["losses"] + resumed["losses"]}, reference)
+
+
+# (first half, second half): every pair of sync modes and process counts
+RESUMES = {"grad 2 -> cache_avg 2": ("half", "grad_to_cache_avg"), "cache_avg 2 -> grad 2": ("half_cache_avg", "cache_avg_to_grad"),
+           "cache_avg 2 -> 1": ("half_cache_avg", "avg_to_one"), "1 -> grad 2": ("one_half", "one_to_grad"),
+           "1 -> cache_avg 2": ("one_half", "one_to_cache_avg")}
+
+
+@pytest.mark.slow  # several processes
+@pytest.mark.parametrize("pair", list(RESUMES))
+def test_resume_across_sync_modes_and_process_counts(runs, cache_dir, reference, pair):
+    """A checkpoint resumed in another sync mode or on another number of
+    processes (trainer.* may change) continues the run: with SGD and
+    cache_avg sync_every=1 every mode follows the one-process trajectory, so
+    both halves together must too (as grad 2 -> 1 above). A cache_avg
+    checkpoint carries its sync points in the strategy's state: restored as
+    the cache's, one process (which never averages) found only held rows to
+    evict and died with a traceback."""
+    first, second = RESUMES[pair]
+    if second == "avg_to_one":
+        got = single(config(cache_dir, **LOOKAHEAD, **AVG_EVERY_STEP, trainer__final_checkpoint=False,
+                            trainer__resume=str(runs["cache_avg_checkpoint_dir"])))
+    else:
+        got = runs[second]
+    assert len(runs[first]["losses"]) == STEPS // 2 and len(got["losses"]) == STEPS - STEPS // 2
+    assert_same({**got, "losses": runs[first]["losses"] + got["losses"]}, reference)
+
+
+def test_a_resume_in_another_mode_says_what_changed(cache_dir):
+    from recsys_cli.train.trainer import _mode_change
+
+    cfg, alone = config(cache_dir, trainer__embedding_sync="cache_avg"), distributed.DistContext()
+    assert _mode_change({"mode": "cache_avg", "world_size": 2}, cfg, alone) == \
+        " (saved by 2 process(es) in cache_avg mode, continuing with 1 in single mode)"
+    assert _mode_change({"mode": "single", "world_size": 1}, cfg, alone) == ""
+    assert _mode_change(None, cfg, alone) == ""  # a checkpoint older than the strategy's state
+
+
+def test_an_older_cache_avg_checkpoint_keeps_its_sync_points():
+    """Checkpoints from before the strategy saved its state kept cache_avg's
+    sync points in each cache snapshot: a resume reads them from there."""
+    from recsys_cli.train.restore import _older_strategy_state
+
+    cache = {"kind": "lookahead", "capacity": 8, "precision": "fp32", "tables": [("a", 10)]}
+    state = _older_strategy_state({"caches": [None, {**cache, "sync_points": [3, 5], "dirty": None}]})
+    assert state == {"mode": "cache_avg", "world_size": None,
+                     "groups": [None, {**cache, "syncs": 0, "sync_points": [3, 5]}]}
+    assert _older_strategy_state({"caches": [{**cache, "sync_points": None}]}) is None  # a grad-mode checkpoint
+    assert _older_strategy_state({"caches": None}) is None
 
 
 def test_cache_avg_needs_a_cache(cache_dir):

@@ -15,9 +15,10 @@ the device. Its protocol, all that other modules call:
   gather / update         the step reads and updates the plan's rows
   release(plan)           unpin after the update (write-backs happen on
                           eviction, inside prepare)
-  hold_until_averaged(), write_averaged(), NeedsAverage, wait_averaged()
-                          cache_avg's eviction filter: rows touched since the
-                          last cross-rank average stay until it is written
+  hold(RowHold), complete(count), RowsHeld, write_slots(..., dirty=True)
+                          a strategy keeps rows resident beyond the window
+                          (cache_avg: rows touched since the last cross-rank
+                          average); the hold's state is the strategy's
   read / table_state / cache_snapshot / load_cache_snapshot
                           evaluation and checkpoints, changing nothing
 The plan carries the cache's per-batch state in typed fields (slots,
@@ -56,10 +57,12 @@ of the batch sequence, never of the prefetch thread's timing. w starts at
 window shrinks (window_used) and, at w = 0 with still no room, the cache
 cannot hold one batch: CacheTooSmall, naming the numbers. Write-backs are
 keyed by the step of the batch that evicts (stochastic rounding, quant.py),
-so even their bits are fixed. Distributed cache_avg (train/strategies/cache_avg.py)
-also protects rows touched since the last cross-rank average as of batch
-j - w (`sync_points`); when only they are left, prepare raises NeedsAverage
-having changed nothing, and is called again after the average. The room is
+so even their bits are fixed. A strategy may install a `RowHold` (cache_avg,
+train/strategies/cache_avg.py: rows touched since the last cross-rank
+average): then batch j protects every batch from hold.first_held(j - w)
+on, batches complete when the strategy calls complete(), and when only held
+rows are left prepare raises RowsHeld having changed nothing, to be called
+again once the hold lets them go. The room is
 counted, never scanned: the protected slots of the window and the counters
 give how many slots may be evicted, and the victims come from SlotOrder
 (slot_order.py) in (score, slot) order, so a batch costs what it touches.
@@ -119,7 +122,7 @@ from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
 
 if TYPE_CHECKING:
-    from recsys_cli.embeddings.protocols import CachedGroupProtocol
+    from recsys_cli.embeddings.protocols import CachedGroupProtocol, RowHold
 
 DEBUG = os.environ.get("RECSYS_DEBUG", "") not in ("", "0")
 SNAPSHOT_STEP = -3  # rounding key of dirty rows quantized into a checkpoint's copy of a table
@@ -133,14 +136,15 @@ class PrefetchStopped(RuntimeError):
     pass
 
 
-class NeedsAverage(Exception):
-    """cache_avg: prepare() of batch `batch` found room only among rows that
-    await a cross-rank average. Nothing was changed: prepare it again after
-    wait_averaged(batch)."""
+class RowsHeld(Exception):
+    """prepare() of batch `batch` found room only among rows the hold keeps
+    (RowHold). Nothing was changed: prepare it again once
+    hold.first_held(batch) reaches `batch`."""
 
     def __init__(self, batch: int) -> None:
         super().__init__(batch)
         self.batch = batch
+
 
 
 def _weak(method):
@@ -246,10 +250,9 @@ class CachedGroup(TableGroup):
         self.clock = 0
         self.prepared = 0  # index of the next batch prepare() takes
         self.completed = 0  # batches the trainer is done with
-        self.completes_on_release = True  # cache_avg: batches complete after the step's cross-rank average
         # (batch, its slots, the rows the store served it): what later batches protect.
         self.history: collections.deque[tuple[int, torch.Tensor, torch.Tensor]] = collections.deque()
-        self.sync_points: list[int] | None = None  # cache_avg: steps after which rows were averaged
+        self.row_hold: RowHold | None = None  # a strategy's (hold): then batches complete by complete()
         self.last_window = self.window
         self.inflight = 0  # plans pinned and not yet released
         self.moving = False  # a prepare() is reading or writing the store, lock released
@@ -508,10 +511,8 @@ class CachedGroup(TableGroup):
     def _first_unsafe(self, position: int) -> int:
         """The first batch whose rows may not be evicted yet once the trainer
         has completed `position` batches: `position` itself, or with
-        cache_avg the last cross-rank average at or before it."""
-        if self.sync_points is None:
-            return position
-        return max((p for p in self.sync_points if p <= position), default=min(self.sync_points, default=0))
+        with a hold the first batch it holds."""
+        return position if self.row_hold is None else self.row_hold.first_held(position)
 
     def _protection(self, index: int, hits: torch.Tensor) -> "_Protection":
         """What batch `index` may not evict, for every window at once."""
@@ -538,7 +539,7 @@ class CachedGroup(TableGroup):
         # binary search: a fresh union per window made a full cache cost
         # O(window^2) batches of work per prepare (88 ms/step at window 32).
         # Waiting changes neither the history nor residency (only prepare, on
-        # this thread, does); cache_avg's sync points may grow, so `first` is
+        # this thread, does); a hold may let rows go, so `first` is
         # read after each wait.
         protection = self._protection(index, hits)
         for window in range(self.window, -1, -1):
@@ -546,10 +547,10 @@ class CachedGroup(TableGroup):
             protected, available = self._protected(protection, index, window)
             if available >= extra:
                 return window, protected, available
-        if self.sync_points is not None and self._first_unsafe(index) < index:
-            # Only rows awaiting a cross-rank average are left (the trainer has
-            # completed every earlier batch): the caller asks for one.
-            raise NeedsAverage(index)
+        if self.row_hold is not None and self._first_unsafe(index) < index:
+            # Only held rows are left (the trainer has completed every earlier
+            # batch): the caller asks the holder to let some go.
+            raise RowsHeld(index)
         raise CacheTooSmall(
             f"the cache of {self.capacity} slots cannot hold a batch's {unique.numel()} unique rows: raise "
             "placement.cache_rows / cache_ratio or lower trainer.batch_size"
@@ -565,22 +566,13 @@ class CachedGroup(TableGroup):
     def allow_waits(self) -> None:
         self.stop.clear()
 
-    def wait_averaged(self, batch: int) -> None:
-        """cache_avg: wait until the rows held for batch `batch` were averaged (NeedsAverage)."""
-        with self.cond:
-            while self._first_unsafe(batch) < batch:
-                if self.stop.is_set():
-                    raise PrefetchStopped()
-                self.cond.wait(timeout=0.1)
-
     def _prune_history(self, next_position: int) -> None:
         """Forget batches no later prepare can protect."""
         first = self._first_unsafe(next_position)
         while self.history and self.history[0][0] < first:
             self.history.popleft()
-        if self.sync_points is not None:
-            keep = [p for p in self.sync_points if p >= first]
-            self.sync_points = keep if keep else self.sync_points[-1:]
+        if self.row_hold is not None:
+            self.row_hold.forget_before(first)
 
     def _admit(self, misses: torch.Tensor, protected: torch.Tensor, available: int) -> torch.Tensor:
         """LFU admission for rows that may stay in low precision: free slots
@@ -728,43 +720,31 @@ class CachedGroup(TableGroup):
             copied.synchronize()
         self.store.write(direct, direct_rows, direct_state, plan.batch_index)
 
-    def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
+    def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, dirty: bool = False) -> None:
         """Overwrite cached rows on the current stream; a later write-back or
-        load of these slots waits for this write."""
+        load of these slots waits for this write. dirty: the new values must
+        reach the store (cache_avg's averages: mark them before the hold lets
+        the rows go, or an eviction could drop them)."""
         dev = self._pinned_to_device(slots)
         self.cache_rows.index_copy_(0, dev, rows)
         self.cache_state.index_copy_(0, dev, state)
         self._used()
+        if dirty:
+            with self.cond:
+                self.dirty[slots] = True
 
-    # --- cache_avg: rows held until the ranks average them -------------------------
-    def hold_until_averaged(self) -> None:
-        """cache_avg's eviction filter, switched on: from now on a row touched
-        since the last cross-rank average is not evicted (its average must
-        reach the table: write_averaged), prepare() raises NeedsAverage when
-        only such rows could make room, and a batch completes when the trainer
-        says so (complete), after its step's average."""
+    # --- a strategy's hold: rows kept beyond the window ------------------------------
+    def hold(self, row_hold: RowHold) -> None:
+        """From now on `row_hold` says which rows stay resident beyond the
+        window (prepare raises RowsHeld when only those could make room), and
+        a batch completes when the strategy says so (complete), not at release."""
         with self.cond:
-            self.completes_on_release = False
-            if self.sync_points is None:  # a resumed cache keeps the points it was saved with
-                self.sync_points = [self.completed]
+            self.row_hold = row_hold
 
     def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [k, row_width] on the device: the rows of `slots` and their optimizer state."""
         dev = self._pinned_to_device(slots)
         return torch.cat([self.cache_rows.index_select(0, dev), self.cache_state.index_select(0, dev)], 1)
-
-    def write_averaged(self, slots: torch.Tensor, values: torch.Tensor, step: int) -> None:
-        """The ranks' average of `slots` (read_slots' layout) after `step`
-        steps, written on the current stream (a later write-back or load of
-        these slots waits for it); the rows it held may now be evicted, and
-        their averaged values must reach the table."""
-        if slots.numel():
-            self.write_slots(slots, values[:, : self.dim], values[:, self.dim :])
-        with self.cond:
-            self.dirty[slots] = True
-            if self.sync_points[-1] != step:
-                self.sync_points.append(step)
-            self.cond.notify_all()
 
     def release(self, plan: LookupPlan) -> None:
         if plan.slots is None:
@@ -779,13 +759,13 @@ class CachedGroup(TableGroup):
             self.counters["hits"] += hits
             self.counters["misses"] += misses
             self.counters["not_admitted"] += not_admitted
-            if self.completes_on_release:
+            if self.row_hold is None:
                 self.completed += 1
             self.cond.notify_all()
         plan.slots = None
 
     def complete(self, count: int) -> None:
-        """cache_avg: the trainer has completed `count` batches, cross-rank average included."""
+        """With a hold: the trainer has completed `count` batches (cache_avg: their step's average included)."""
         with self.cond:
             self.completed = count
             self._prune_history(count + 1 - self.window)  # also on ranks that never prepare
@@ -850,30 +830,35 @@ class CachedGroup(TableGroup):
                 raise RuntimeError("a cache snapshot needs every prepared batch released")
             self._wait_fills()
             return {
-                "kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
-                "tables": [(t.name, t.num_rows) for t in self.tables],
+                **self.identity(),
                 "cache_rows": self._host_copy(self.cache_rows), "cache_state": self._host_copy(self.cache_state),
                 "row_of_slot": self.row_of_slot, "dirty": self.dirty, "score": self.score,
                 "free_slots": self.free_slots, "num_free": self.num_free, "clock": self.clock,
                 "prepared": self.prepared, "completed": self.completed,
                 "history": list(self.history),  # tensors no one changes: prepare appends new ones
-                "sync_points": None if self.sync_points is None else list(self.sync_points),
                 "row_uses": self.row_uses,
                 "stats": dict(self.counters),
             }
+
+    def identity(self) -> dict:
+        """What a snapshot must match to restore this cache (and a strategy's state of it)."""
+        return {"kind": self.kind, "capacity": self.capacity, "precision": self.store.precision,
+                "tables": [(t.name, t.num_rows) for t in self.tables]}
+
+    def same_cache(self, saved: dict) -> bool:
+        """Whether `saved` (a snapshot, or a strategy's state with these keys) is of this cache."""
+        return all(saved.get(k) == v for k, v in self.identity().items())
 
     def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
         """Restore what cache_snapshot() saved (after load_table_state). False
         when it came from another cache (other size, kind or tables): then the
         cache starts empty at batch `step`."""
-        same = saved is not None and all(saved.get(k) == v for k, v in (
-            ("kind", self.kind), ("capacity", self.capacity), ("precision", self.store.precision),
-            ("tables", [(t.name, t.num_rows) for t in self.tables])))
+        same = saved is not None and self.same_cache(saved)
         with self.cond:
             self.invalidate()
             self.prepared = self.completed = step
-            if self.sync_points is not None:
-                self.sync_points = [step]
+            if self.row_hold is not None:
+                self.row_hold.restart(step)
             if not same:
                 return False
             self.cache_rows.copy_(saved["cache_rows"])
@@ -887,8 +872,6 @@ class CachedGroup(TableGroup):
             self.num_free, self.clock = saved["num_free"], saved["clock"]
             self.prepared, self.completed = saved["prepared"], saved["completed"]
             self.history = collections.deque((b, s.clone(), r.clone()) for b, s, r in saved["history"])
-            if saved["sync_points"] is not None:  # before the CacheAvg strategy exists
-                self.sync_points = list(saved["sync_points"])
             if self.row_uses is not None and saved["row_uses"] is not None:
                 self.row_uses.copy_(saved["row_uses"])
             for order in (self.victims, self.least_used):
@@ -916,8 +899,8 @@ class CachedGroup(TableGroup):
             if self.least_used is not None:
                 self.least_used.clear()
             self.history.clear()
-            if self.sync_points is not None:
-                self.sync_points = [self.completed]
+            if self.row_hold is not None:
+                self.row_hold.restart(self.completed)
 
     def check_ownership(self) -> None:
         """Invariant 1 over the whole cache (debug runs, tests): the slot and

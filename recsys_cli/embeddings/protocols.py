@@ -9,7 +9,8 @@ copies of some of those rows in device slots. Its callers each see one part:
   StepCache        the collection, during a step: gather, update, release
   PrefetchedCache  the prefetcher (prefetch.py), filling ahead on its thread
   ReplicatedCache  cache_avg (strategies/cache_avg.py, cache_fill.py): rank 0's
-                   fills applied on the other ranks, rows held and averaged
+                   fills applied on the other ranks, rows held (by the
+                   strategy's RowHold) and averaged
   CheckpointedCache  checkpoints, resume and evaluation: reads and snapshots
                    that change nothing, and their restore
 
@@ -28,8 +29,8 @@ import torch
 from recsys_cli.embeddings.plan import Fill, LookupPlan
 from recsys_cli.embeddings.table_init import TableSpec
 
-__all__ = ["CachedGroupProtocol", "CheckpointedCache", "PrefetchedCache", "ReplicatedCache", "RowStoreProtocol",
-           "SnapshotPatch", "StepCache"]
+__all__ = ["CachedGroupProtocol", "CheckpointedCache", "PrefetchedCache", "ReplicatedCache", "RowHold",
+           "RowStoreProtocol", "SnapshotPatch", "StepCache"]
 
 # What a cache hands a store's table_snapshot for its dirty rows: a function
 # giving (local row ids, the rows encoded in the store's precision, their
@@ -123,6 +124,27 @@ class PrefetchedCache(Protocol):
     def allow_waits(self) -> None: ...
 
 
+class RowHold(Protocol):
+    """Rows a strategy keeps resident beyond the window (cache_avg's rows
+    awaiting a cross-rank average), and the state that says which: the
+    strategy's, saved in its checkpoint state, not the cache's. The cache
+    calls these with its lock held, so they may take only locks of their own
+    (never the cache's)."""
+
+    def first_held(self, position: int) -> int:
+        """The first batch whose rows may not be evicted once the trainer has
+        completed `position` batches (at most `position` while any are held)."""
+        ...
+
+    def forget_before(self, batch: int) -> None:
+        """No prepare will ask about batches before `batch` again."""
+        ...
+
+    def restart(self, batch: int) -> None:
+        """The cache was emptied with `batch` batches completed: nothing is held."""
+        ...
+
+
 class ReplicatedCache(Protocol):
     """cache_avg: rank 0 fills, the other ranks apply its fills to their
     replicas; rows touched since the last cross-rank average are held."""
@@ -145,13 +167,25 @@ class ReplicatedCache(Protocol):
 
     def apply(self, plan: LookupPlan, fill: Fill, values: torch.Tensor | None) -> None: ...
 
-    def hold_until_averaged(self) -> None: ...
+    def hold(self, row_hold: RowHold) -> None:
+        """From now on `row_hold` says which rows stay resident beyond the
+        window, and batches complete by complete(), not at release."""
+        ...
 
-    def wait_averaged(self, batch: int) -> None: ...
+    def identity(self) -> dict:
+        """What a saved state must match to be of this cache."""
+        ...
+
+    def same_cache(self, saved: dict) -> bool: ...
+
+    @property
+    def completed(self) -> int:
+        """Batches the trainer has completed."""
+        ...
 
     def read_slots(self, slots: torch.Tensor) -> torch.Tensor: ...
 
-    def write_averaged(self, slots: torch.Tensor, values: torch.Tensor, step: int) -> None: ...
+    def write_slots(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, dirty: bool = False) -> None: ...
 
     def complete(self, count: int) -> None: ...
 

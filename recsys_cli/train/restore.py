@@ -39,6 +39,7 @@ class Resumed:
     running_loss: torch.Tensor | None
     running_steps: int
     loop: dict | None = None  # the loop rules' state (loop_control.py); None: a checkpoint older than them
+    strategy: dict | None = None  # the saving run's Strategy.state_dict() (None: a checkpoint older than that)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,20 @@ def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     torch.set_rng_state(state["torch_rng"])
     loss, steps = state["running_loss"] if "metrics" in state else (None, 0)
     return Resumed(path, state["step"], state["epoch"], state["batch_in_epoch"], state["samples"],
-                   state.get("metrics"), loss, steps, state.get("loop"))
+                   state.get("metrics"), loss, steps, state.get("loop"),
+                   state.get("strategy") or _older_strategy_state(state))
+
+
+def _older_strategy_state(state: dict) -> dict | None:
+    """cache_avg's sync points as checkpoints kept them before the strategy
+    saved its own state (in each cache snapshot), in state_dict's form."""
+    caches = state.get("caches") or []
+    if not any(c is not None and c.get("sync_points") is not None for c in caches):
+        return None
+    keys = ("kind", "capacity", "precision", "tables")
+    groups = [None if c is None or c.get("sync_points") is None else
+              {**{k: c[k] for k in keys}, "syncs": 0, "sync_points": list(c["sync_points"])} for c in caches]
+    return {"mode": "cache_avg", "world_size": None, "groups": groups}
 
 
 def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple[Path, int]:

@@ -167,14 +167,16 @@ class Trainer:
         if tc.resume and tc.init_from:
             raise UserError("trainer.resume continues a run, trainer.init_from starts a new one from a checkpoint: "
                             "give one of them")
+        saved_strategy = None
         if tc.resume:
-            self.resume(tc.resume)
+            saved_strategy = self.resume(tc.resume)
             self.mark_best_after_resume()
         elif tc.init_from:
             self.init_from(tc.init_from)
         # How this process trains with the others (alone, grad or cache_avg): after a resume,
-        # so cache_avg starts from the restored caches and step.
-        self.strategy = strategies.strategy_for(cfg, self.dist, self.model, self.timer, step=self.step)
+        # so cache_avg starts from the restored caches, step and (if it saved them) sync points.
+        self.strategy = strategies.strategy_for(cfg, self.dist, self.model, self.timer, step=self.step,
+                                                saved=saved_strategy)
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
@@ -498,6 +500,7 @@ class Trainer:
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "tables": self.embeddings.table_state(),  # a snapshot: the live cache and store do not change
             "caches": self.embeddings.cache_snapshot(),  # slots and fp32 rows, so a resumed run continues exactly
+            "strategy": self.strategy.state_dict(),  # its mode and process count; cache_avg's sync points
             "torch_rng": torch.get_rng_state(),
             "features": restore.feature_sizes(self.data),
             # what `recsys predict` needs to map raw rows: the dataset's vocabulary, and where rows lived
@@ -523,8 +526,9 @@ class Trainer:
     def restorable(self) -> restore.Restorable:
         return restore.Restorable(self.model, self.dense_optimizer, self.embeddings)
 
-    def resume(self, resume: str) -> None:
-        """Continue the run saved at `resume` (a checkpoint, a directory, or "true": the latest)."""
+    def resume(self, resume: str) -> dict | None:
+        """Continue the run saved at `resume` (a checkpoint, a directory, or "true": the latest);
+        returns the saving run's strategy state, for this run's strategy."""
         path = restore.resume_path(resume, self.checkpoint_dir, self.run_dir)
         at = restore.resume(path, self.cfg, self.data, self.restorable())
         self.step, self.epoch, self.batch_in_epoch, self.samples = at.step, at.epoch, at.batch_in_epoch, at.samples
@@ -534,7 +538,8 @@ class Trainer:
             self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
         self.saved_step = self.step
         if self.console is not None:
-            self.console.print(f"resumed from {path} at step {self.step}")
+            self.console.print(f"resumed from {path} at step {self.step}{_mode_change(at.strategy, self.cfg, self.dist)}")
+        return at.strategy
 
     def init_from(self, location: str) -> None:
         """Weights and optimizer state from a checkpoint, into this new run (restore.py)."""
@@ -596,3 +601,15 @@ class Trainer:
             write_json_atomic(self.run_dir / "summary.json", summary)
         self.log.close()
         return summary
+
+
+def _mode_change(saved: dict | None, cfg, dist) -> str:
+    """How the resumed run trains differently from the saving one ("" if alike):
+    any change works, the caches were averaged when the checkpoint was taken."""
+    if not saved or saved.get("world_size") is None:
+        return ""
+    now = (cfg.trainer.embedding_sync if dist.enabled else "single", dist.world_size if dist.enabled else 1)
+    was = (saved["mode"], saved["world_size"])
+    if now == was:
+        return ""
+    return f" (saved by {was[1]} process(es) in {was[0]} mode, continuing with {now[1]} in {now[0]} mode)"

@@ -11,11 +11,13 @@ from recsys_cli.train.strategies.single import SingleProcess
 __all__ = ["BatchFeed", "CacheAvg", "GradSync", "SingleProcess", "Strategy", "check", "strategy_for"]
 
 
-def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0) -> Strategy:
-    """The strategy of this process: alone, or one rank of trainer.embedding_sync's mode."""
+def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0, saved: dict | None = None) -> Strategy:
+    """The strategy of this process: alone, or one rank of trainer.embedding_sync's mode.
+    saved: the resumed checkpoint's strategy state (Strategy.state_dict), of any mode
+    and process count; a strategy takes only its own mode's state."""
     tc = cfg.trainer
     if not ctx.enabled:
         return SingleProcess(model.embeddings, tc.batch_size)
     if tc.embedding_sync == "cache_avg":
-        return CacheAvg(model.embeddings, tc.batch_size, ctx, model, timer, tc.sync_every, step)
+        return CacheAvg(model.embeddings, tc.batch_size, ctx, model, timer, tc.sync_every, step, saved)
     return GradSync(model.embeddings, tc.batch_size, ctx, model, timer)

@@ -13,6 +13,7 @@ what differs between them:
   gather_predictions()
   checkpoint()         who writes a checkpoint, and who waits for it
   samples()            how many samples a step trained, over every rank
+  state_dict()         what a checkpoint keeps of it (cache_avg: sync points)
 
 SingleProcess (single.py) is one process: the identities and the plain
 prefetcher. GradSync (grad_sync.py) averages every gradient every step;
@@ -47,6 +48,9 @@ class BatchFeed(Protocol):
 
 
 class Strategy(abc.ABC):
+    mode = "single"  # trainer.embedding_sync's mode, or one process alone
+    world_size = 1
+
     def __init__(self, embeddings, global_batch: int) -> None:
         self.embeddings = embeddings
         self.global_batch = global_batch
@@ -87,6 +91,11 @@ class Strategy(abc.ABC):
     def checkpoint(self, write: Callable[[], Path]) -> Path | None:
         """Write a checkpoint (write() builds and saves the state)."""
         return write()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the strategy, for a resume (strategy_for's
+        `saved`): only its own mode reads more than these two keys."""
+        return {"mode": self.mode, "world_size": self.world_size}
 
     def report(self) -> dict | None:
         """The summary's "distributed" entry (None: not distributed)."""

@@ -16,7 +16,8 @@ fp32 tables behind a lookahead or on-demand cache only:
   * Write-back: rank 0 never evicts a row touched since the last sync. A
     batch completes only after its step's sync (if the step has one), and a
     prefetch for batch j with window w protects every batch since the last
-    sync at or before j - w (CachedGroup.sync_points), so what may be evicted
+    sync at or before j - w (the sync points of each group's _Replica, the
+    cache's RowHold), so what may be evicted
     follows from the batch feed, not from how far the trainer got. When
     only such rows could give room, rank 0 asks for a sync early: it puts a
     SYNC marker into its batch feed and broadcasts one to the other ranks,
@@ -28,6 +29,11 @@ fp32 tables behind a lookahead or on-demand cache only:
   * Evaluation: after a sync rank 0's cache and table hold the current rows;
     for every evaluation batch the ranks all-gather their unique ids, rank 0
     reads those rows and broadcasts them.
+  * Checkpoints: taken right after a sync, so every replica equals rank 0's
+    cache and nothing awaits an average; the sync points and counts are this
+    strategy's state (state_dict), restored only on a resume in cache_avg
+    mode (with any number of processes) onto the caches they describe.
+    Another mode, or one process, resumes the averaged caches and ignores them.
   With sync_every=1 and SGD this equals grad mode (the average of the ranks'
   SGD steps is the SGD step with the averaged gradient); with k > 1, or
   Adagrad, replicas drift apart between syncs.
@@ -67,27 +73,84 @@ def check(cfg, embeddings) -> None:
 
 class _Replica:
     """cache_avg state of one cached group: which slots this rank touched
-    since the last average, and how many averages it has done."""
+    since the last average, how many averages it has done, and the steps
+    after which it averaged (sync points). It is the group's RowHold: rows
+    of batches since the last sync point at or before a batch's window stay
+    resident, so an evicted row is written back with its averaged value.
 
-    def __init__(self, group: ReplicatedCache) -> None:  # what cache_avg may call on a cache
+    `lock` (the strategy's `averaged` condition) guards syncs and points:
+    the trainer's thread changes them, the cache reads them (its lock held)."""
+
+    def __init__(self, group: ReplicatedCache, lock: threading.Condition, saved: dict | None) -> None:
+        # group: what cache_avg may call on a cache
         self.group = group
+        self.lock = lock
         self.unsynced = torch.zeros(group.capacity, dtype=torch.bool)  # only the trainer's thread uses it
-        self.syncs = 0
-        group.hold_until_averaged()
+        if saved is not None and group.same_cache(saved):  # the cache this state describes, restored
+            self.syncs, self.points = saved["syncs"], list(saved["sync_points"])
+        else:
+            self.syncs, self.points = 0, [group.completed]
+        group.hold(self)
+
+    # --- RowHold, called by the cache ----------------------------------------------
+    def first_held(self, position: int) -> int:
+        with self.lock:
+            return self._first_held(position)
+
+    def forget_before(self, batch: int) -> None:
+        with self.lock:
+            first = self._first_held(batch)
+            keep = [p for p in self.points if p >= first]
+            self.points = keep if keep else self.points[-1:]
+
+    def _first_held(self, position: int) -> int:
+        """The last sync point at or before `position` (lock held)."""
+        return max((p for p in self.points if p <= position), default=min(self.points))
+
+    def restart(self, batch: int) -> None:
+        with self.lock:
+            self.points = [batch]
+
+    # --- the strategy's side ---------------------------------------------------------
+    def averaged_at(self, step: int) -> None:
+        """Every touched row was averaged (and marked dirty) after `step` steps."""
+        with self.lock:
+            if self.points[-1] != step:
+                self.points.append(step)
+            self.syncs += 1
+            self.lock.notify_all()
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {**self.group.identity(), "syncs": self.syncs, "sync_points": list(self.points)}
 
 
 class CacheAvg(DataParallel):
     mode = "cache_avg"
 
-    def __init__(self, embeddings, global_batch, ctx, model, timer, every: int, step: int = 0) -> None:
+    def __init__(self, embeddings, global_batch, ctx, model, timer, every: int, step: int = 0,
+                 saved: dict | None = None) -> None:
+        """saved: state_dict() of the run resumed (None: a new run, or one resumed from another mode)."""
         super().__init__(embeddings, global_batch, ctx, model, timer)
         self.every = every
         self.step = step  # steps done
-        self.replicas = {id(g): _Replica(g) for g in embeddings.groups if isinstance(g, CachedGroup)}
         self.averaged = threading.Condition()  # notified when a replica's syncs grow (cache_fill waits on it)
-        self.syncs = 0
-        self.early_syncs = 0  # asked for by rank 0's prefetcher, to free cache slots
-        self.rows_synced = 0
+        saved = saved if saved is not None and saved.get("mode") == self.mode else None
+        groups = (saved or {}).get("groups") or [None] * len(embeddings.groups)
+        if len(groups) != len(embeddings.groups):
+            groups = [None] * len(embeddings.groups)
+        self.replicas = {id(g): _Replica(g, self.averaged, s) for g, s in zip(embeddings.groups, groups)
+                         if isinstance(g, CachedGroup)}
+        counts = (saved or {}).get("counts", {})
+        self.syncs = counts.get("syncs", 0)
+        self.early_syncs = counts.get("early_syncs", 0)  # asked for by rank 0's prefetcher, to free cache slots
+        self.rows_synced = counts.get("rows_synced", 0)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(),
+                "groups": [self.replicas[id(g)].state_dict() if id(g) in self.replicas else None
+                           for g in self.embeddings.groups],
+                "counts": {"syncs": self.syncs, "early_syncs": self.early_syncs, "rows_synced": self.rows_synced}}
 
     # --- the step ------------------------------------------------------------------
     def averages_rows(self, group) -> bool:
@@ -113,11 +176,10 @@ class CacheAvg(DataParallel):
                 values = g.read_slots(slots)
                 if slots.numel():
                     all_reduce_mean([values], self.ctx.group)
-                g.write_averaged(slots, values, self.step)
+                    # Dirty before the hold lets the rows go: their averages must reach the table.
+                    g.write_slots(slots, values[:, : g.dim], values[:, g.dim :], dirty=True)
                 replica.unsynced[slots] = False
-                with self.averaged:
-                    replica.syncs += 1
-                    self.averaged.notify_all()
+                replica.averaged_at(self.step)
                 self.rows_synced += slots.numel()
             self.syncs += 1
 
@@ -132,6 +194,16 @@ class CacheAvg(DataParallel):
 
     def syncs_of(self, group: CachedGroup) -> int:
         return self.replicas[id(group)].syncs
+
+    def wait_averaged(self, group: CachedGroup, batch: int, stop) -> None:
+        """Wait until the rows `group` holds for batch `batch` were averaged
+        (after RowsHeld; stop: an Event that ends the wait)."""
+        replica = self.replicas[id(group)]
+        with self.averaged:
+            while replica._first_held(batch) < batch:
+                if stop.is_set():
+                    raise PrefetchStopped()
+                self.averaged.wait(timeout=0.1)
 
     def early_sync(self) -> None:
         """A SYNC marker reached the trainer: rank 0's prefetcher needs room."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_cli.data.batch import Batch
-from recsys_cli.embeddings.cache import CachedGroup, NeedsAverage
+from recsys_cli.embeddings.cache import CachedGroup, RowsHeld
 from recsys_cli.embeddings.plan import Fill
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import broadcast_
@@ -69,14 +69,14 @@ class CacheFillBroadcast(Prefetcher):
             try:
                 fill = group.prepare(plan)
                 break
-            except NeedsAverage as starved:
+            except RowsHeld as starved:
                 # Only rows awaiting an average could make room (every earlier
                 # batch is completed): ask every rank for one at this place of
                 # the feed, and prepare again once this rank's trainer did it.
                 header = torch.tensor([SYNC, 0, 0, 0], dtype=torch.int64)
                 self._sends.append((dist.broadcast(header, 0, group=self.ctx.prefetch_group, async_op=True), header))
                 yield _SYNC
-                group.wait_averaged(starved.batch)
+                self.strategy.wait_averaged(group, starved.batch, self._stop)
         self._wait_sends()
         values = group.loaded_values(plan, fill) if fill.loaded.numel() else None
         header = torch.tensor([FILL, self.strategy.syncs_of(group), plan.num_unique, fill.loaded.numel()], dtype=torch.int64)

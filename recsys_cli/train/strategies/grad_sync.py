@@ -42,6 +42,7 @@ class DataParallel(Strategy):
     def __init__(self, embeddings, global_batch: int, ctx: DistContext, model, timer) -> None:
         super().__init__(embeddings, global_batch)
         self.ctx, self.timer = ctx, timer
+        self.world_size = ctx.world_size
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
 
     def averages_rows(self, group) -> bool:

@@ -1,6 +1,8 @@
 """Multi-process training: process groups, the launcher, and small collectives.
 
-One process per device (DESIGN.md, "Scale"). Two ways to start them:
+One process per device, each training its slice of every global batch on a
+full replica of the tables (data parallel; how the replicas stay in step is
+strategies/). Two ways to start them:
 
 * ``torchrun --nproc-per-node N -m recsys_cli train ...`` (and, across nodes,
   torchrun's ``--nnodes/--node-rank/--rdzv-endpoint``). torchrun's elastic
@@ -18,12 +20,16 @@ One process per device (DESIGN.md, "Scale"). Two ways to start them:
 
 Failure: the elastic agent watches its workers; when one raises or is killed
 it stops the others (SIGTERM, then SIGKILL) and `launch` raises `WorkerFailed`
-naming the rank, its pid and the cause. Both process groups are created with
-``trainer.dist_timeout`` seconds, so a collective whose peer hangs without
-dying raises within that time instead of waiting forever.
+naming the rank, its pid and the cause. The main and prefetch groups are
+created with ``trainer.dist_timeout`` seconds, so a collective whose peer
+hangs without dying raises within that time instead of waiting forever; the
+checkpoint group waits CHECKPOINT_WAIT_S (24 hours), as a save of large
+tables may take longer than any step.
 
 Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
-syncs and evaluation, issued only by the main thread. ``prefetch``: always gloo
+syncs and evaluation, issued only by the main thread. ``checkpoint``: gloo;
+only checkpoint_barrier, on the main thread, where the other ranks wait for
+rank 0's save. ``prefetch``: always gloo
 (host tensors); the per-batch all-gather of unique row ids and, in cache_avg
 mode, rank 0's cache fills, issued only by the one thread that prepares batches
 ahead (the prefetcher thread, or UnionAhead's thread without lookahead). Keeping
@@ -114,7 +120,8 @@ def launched_by_agent() -> bool:
 def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     """Join the process group described by the environment (torchrun's or the
     launcher's): NCCL when training on CUDA, gloo on CPU, plus the gloo prefetch
-    group; both time out after `timeout_s` seconds."""
+    group, both timing out after `timeout_s` seconds, and the gloo checkpoint
+    group (CHECKPOINT_WAIT_S, or `timeout_s` if longer)."""
     global _context
     if dist.is_initialized():
         return _context

@@ -60,6 +60,13 @@ def export_program(loaded) -> torch.export.ExportedProgram:
     from torch.export import Dim
 
     model = loaded.model
+    # A checkpoint's tables are views of one flat storage; saved as they are,
+    # torch.export.save warns ("No complete tensor found in the group ...
+    # weights not on CPU") for each. Each table gets a storage of its own.
+    tables = loaded.tables
+    for name, buf in list(tables.named_buffers()):
+        if buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
+            setattr(tables, name, buf.clone())
     module = ScoringModule(model).eval()
     for p in module.parameters():  # an inference program: no autograd graph on its outputs
         p.requires_grad_(False)

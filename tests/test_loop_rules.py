@@ -13,7 +13,7 @@ from rich.console import Console
 from recsys_cli.errors import UserError
 from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.trainer import Trainer
-from train_config import config, train
+from train_config import assert_states_equal, config, state_of, train
 
 # 10 validations (125 steps an epoch); at lr 1 the val AUC and log loss are best at step 90, not at the end.
 STEPS = dict(trainer__max_steps=100, trainer__eval_every=10, optimizer__lr=1.0)
@@ -41,15 +41,6 @@ def checkpoint(path):
     return torch.load(path, weights_only=False)
 
 
-def assert_same_weights(a, b):
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), k
-    for name, tensors in a["tables"].items():
-        for k, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, b["tables"][name][k]), (name, k)
-
-
 @pytest.mark.parametrize("monitor, pick", [("auc", max), ("logloss", min)])
 def test_keep_best_and_the_last_k(cache_dir, tmp_path, reference, monitor, pick):
     ref, ref_ck = reference
@@ -64,7 +55,7 @@ def test_keep_best_and_the_last_k(cache_dir, tmp_path, reference, monitor, pick)
     kept = sorted(p.name for p in ck.glob("step-*.pt"))
     assert best_step < 100 and kept == sorted({f"step-{s:08d}.pt" for s in (100, best_step)})  # earlier bests went
     # The kept best is the state at that step: the reference run's checkpoint of the same step.
-    assert_same_weights(checkpoint(ck / best["file"]), checkpoint(ref_ck / best["file"]))
+    assert_states_equal(checkpoint(ck / best["file"]), checkpoint(ref_ck / best["file"]))
 
 
 def test_last_k_alone_keeps_the_newest(cache_dir, tmp_path):
@@ -155,8 +146,7 @@ def test_drop_last_false_trains_the_partial_batch_and_resumes_exactly(cache_dir,
     resumed = train(config(cache_dir, **DROP, trainer__drop_last=False, trainer__checkpoint_dir=ck,
                            trainer__resume="true"))
     assert resumed.step_losses == kept.step_losses[170:]
-    assert_same_weights({"model": resumed.model.state_dict(), "tables": resumed.embeddings.table_state()},
-                        {"model": kept.model.state_dict(), "tables": kept.embeddings.table_state()})
+    assert_states_equal(state_of(resumed), state_of(kept))
 
 
 def test_drop_last_false_with_several_processes_is_an_error():

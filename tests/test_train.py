@@ -19,7 +19,7 @@ from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
 from devices import TEST_DEVICE, fresh_cuda_block
-from train_config import config, train
+from train_config import assert_states_equal, config, state_of, train
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
@@ -96,19 +96,6 @@ def test_same_seed_same_results(cache_dir):
 def test_learns_the_synthetic_task(cache_dir):
     trainer = train(config(cache_dir, trainer__epochs=2))
     assert trainer.evals[-2]["auc"] > 0.7  # val; the hidden model's own AUC is about 0.8
-
-
-def state_of(trainer: Trainer) -> dict:
-    return {"model": trainer.model.state_dict(), "tables": trainer.embeddings.table_state()}
-
-
-def assert_states_equal(a, b):
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), k
-    for name, tensors in a["tables"].items():
-        for k, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, b["tables"][name][k]), (name, k)
 
 
 @pytest.mark.skipif(not has_bf16_path(torch.device("cpu")), reason="this CPU has no bf16 matrix path")

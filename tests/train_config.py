@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
@@ -31,3 +32,18 @@ def train(cfg, run_dir=None) -> Trainer:
     trainer.record_losses = True
     trainer.fit()
     return trainer
+
+
+def state_of(trainer: Trainer) -> dict:
+    """What a run learned: the dense model's state and every table's rows and optimizer state."""
+    return {"model": trainer.model.state_dict(), "tables": trainer.embeddings.table_state()}
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    """torch.equal on every tensor of two states (state_of, or a checkpoint's model and tables)."""
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for name, tensors in a["tables"].items():
+        for k, v in tensors.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, b["tables"][name][k]), (name, k)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Set as AbstractSet
 from pathlib import Path
 
 from recsys_cli.errors import UserError
@@ -103,7 +103,7 @@ def existing_dirs(overrides: list[str]) -> set[Path]:
     return out
 
 
-def unused_dirs(run_dir: Path, stop: Path, existing: set[Path] = frozenset()) -> list[Path]:
+def unused_dirs(run_dir: Path, stop: Path, existing: AbstractSet[Path] = frozenset()) -> list[Path]:
     """Called as a run starts: the run directory and the ancestors strictly
     below `stop` (the working directory) that hold nothing but the path to it
     and were not in `existing` before Hydra ran, i.e. what Hydra has just

@@ -1,10 +1,15 @@
-"""`recsys verify DIR`: check a dataset directory against its manifest.
+"""`recsys verify DIR`: check a dataset directory against its manifest, or a
+run's checkpoints against their records.
 
 Every shard must exist, have the manifest's size and sha256, and be a
 parquet file with the manifest's row count; a saved vocabulary's files must
 match their sha256 too. (Training checks sizes when it
 opens a dataset and each shard's sha256 when it first reads the shard; this
 checks everything up front, e.g. after copying a dataset.)
+
+A run directory (its checkpoints/ folder) or a checkpoint directory: every
+file of every checkpoint in it (the .pt, each disk base and delta) must
+have the size and CRC-32 its record (step-N.files.json) holds.
 """
 
 from __future__ import annotations
@@ -56,10 +61,36 @@ def problems(directory: Path) -> tuple[list[str], int, int]:
     return found, count, nbytes
 
 
+def checkpoint_directory(directory: Path) -> Path | None:
+    """The checkpoint directory of a run directory (or the directory itself), if it holds checkpoints."""
+    for candidate in (directory / "checkpoints", directory):
+        if any(candidate.glob("step-*.pt")):
+            return candidate
+    return None
+
+
+def verify_checkpoints(directory: Path) -> None:
+    from recsys_cli.train.checkpoint_record import checkpoint_problems
+
+    checkpoints = sorted(directory.glob("step-*.pt"))
+    found = [line for ckpt in checkpoints for line in checkpoint_problems(ckpt)]
+    for line in found[1:]:
+        print(f"damaged: {line}")
+    if found:
+        more = f" ({len(found) - 1} more above)" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}; {len(found)} problem(s) in {len(checkpoints)} checkpoint(s) of {directory}")
+    print(f"ok: {directory}: {len(checkpoints)} checkpoint(s), every file's size and crc32 match its record")
+
+
 def run_verify(args: list[str]) -> None:
     if len(args) != 1 or args[0].startswith("-"):
-        raise UserError("usage: recsys verify DIR (a preprocessed dataset directory)")
+        raise UserError("usage: recsys verify DIR (a preprocessed dataset directory, or a run or checkpoint directory)")
     directory = Path(args[0]).expanduser()
+    from data_tools.manifest import MANIFEST_NAME
+
+    checkpoints = checkpoint_directory(directory)
+    if checkpoints is not None and not (directory / MANIFEST_NAME).is_file():
+        return verify_checkpoints(checkpoints)
     found, count, nbytes = problems(directory)
     for line in found[1:]:
         print(f"damaged: {line}")

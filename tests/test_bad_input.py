@@ -561,7 +561,8 @@ def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch
                               f"{first_size / 2**20:,.1f} MiB in {ck} (")
     assert message.endswith(f"MiB free); the last good checkpoint, {ck}/step-00000004.pt, is kept")
     assert "\n" not in message
-    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]  # no .tmp left
+    # no .tmp left; the record of step 4's files (checksums) stays with it
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.files.json", "step-00000004.pt"]
     assert json.loads((ck / "latest.json").read_text())["step"] == 4
     torch.load(ck / "step-00000004.pt", weights_only=False)  # whole
 
@@ -593,7 +594,7 @@ def test_a_failed_checkpoint_write_is_one_line_exit_2_and_leaves_no_tmp(tmp_path
     line = assert_user_error(r, f"cannot write {ck / 'step-00000008.pt'}: File too large; a checkpoint needs about",
                              f"the last good checkpoint, {ck / 'step-00000004.pt'}, is kept")
     assert "Error executing job" not in r.stderr, line
-    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.pt"]
+    assert sorted(p.name for p in ck.iterdir()) == ["latest.json", "step-00000004.files.json", "step-00000004.pt"]
     assert json.loads((ck / "latest.json").read_text())["step"] == 4
 
 

@@ -14,6 +14,7 @@ import torch
 from embedding_harness import build, dense_state, make_batches, tables_fp32, train
 from recsys_cli.embeddings.disk_checkpoint import materialize
 from recsys_cli.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from recsys_cli.train.checkpoint_record import read_record
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
@@ -33,6 +34,11 @@ def load_into(model, opt, path):
     model.embeddings.load_table_state(state["tables"])
     model.embeddings.load_cache_snapshot(state["caches"], state["step"])
     return state
+
+
+def disk_files(ck, step):
+    """The disk-table files the record of step `step`'s checkpoint names."""
+    return {name for name in read_record(ck / f"step-{step:08d}.pt") if name.startswith("disk/")}
 
 
 def saved_tables(path):
@@ -58,7 +64,7 @@ def test_resume_from_delta_checkpoints_is_exact(tmp_path, monkeypatch, precision
     save_checkpoint(tmp_path / "ck", 10, model_state(model, opt, 10))
     second = train(BATCHES[:20], model, opt, start=10)
     save_checkpoint(tmp_path / "ck", 20, model_state(model, opt, 20))
-    lists = [json.loads((tmp_path / "ck" / f"step-{s:08d}.files.json").read_text()) for s in (10, 20)]
+    lists = [disk_files(tmp_path / "ck", s) for s in (10, 20)]
     if compact == "never":
         assert not any("base" in f for f in lists[1])  # the initial rows are the base: never copied
         assert any("delta" in f for f in lists[1]) and set(lists[0]) < set(lists[1])  # a chain: 20 = 10 + a delta
@@ -89,7 +95,7 @@ def test_checkpoint_bytes_grow_with_the_rows_changed(tmp_path, monkeypatch):
     save_checkpoint(tmp_path / "ck", 3, model_state(model, opt, 3))
     group = next(g for g in model.embeddings.groups if g.kind == "lookahead")
     record = group.store.record_bytes
-    files = json.loads((tmp_path / "ck" / "step-00000003.files.json").read_text())
+    files = disk_files(tmp_path / "ck", 3)
     deltas = [tmp_path / "ck" / f for f in files if "/delta-" in f]
     assert not any("/base-" in f for f in files)  # the base is the initial rows: nothing copied
     table_bytes = 50_000 * record
@@ -112,8 +118,8 @@ def test_compaction_writes_a_base_and_old_files_are_deleted(tmp_path):
     names = {f.name.split("-")[0] for f in (tmp_path / "ck" / "disk").glob("*/*")}
     assert "base" in names  # compacted at least once
     kept = set()
-    for lst in (tmp_path / "ck").glob("step-*.files.json"):
-        kept |= set(json.loads(lst.read_text()))
+    for ckpt in (tmp_path / "ck").glob("step-*.pt"):
+        kept |= disk_files(tmp_path / "ck", int(ckpt.stem[len("step-"):]))
     on_disk = {str(f.relative_to(tmp_path / "ck")) for f in (tmp_path / "ck" / "disk").glob("*/*")}
     assert on_disk == kept and len(list((tmp_path / "ck").glob("step-*.pt"))) == 2
     group = next(g for g in model.embeddings.groups if g.kind == "lookahead")

@@ -31,7 +31,6 @@ it whole with materialize().
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import uuid
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recsys_cli.checksum import Checksum, check_end, check_size
 from recsys_cli.embeddings.disk_records import RecordCodec
 from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, decode_saved
 from recsys_cli.embeddings.table_init import TableSpec, init_rows
@@ -58,22 +58,24 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _write_file(path: Path, chunks) -> int:
-    """Write byte chunks to a fresh temporary name, fsync, rename; the bytes written."""
+def _write_file(path: Path, chunks) -> dict:
+    """Write byte chunks to a fresh temporary name, fsync, rename; the file's
+    size and checksum, computed as the chunks pass (checksum.py)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    size = 0
+    checksum = Checksum()
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
-                f.write(memoryview(chunk).cast("B"))
-                size += chunk.nbytes
+                view = memoryview(chunk).cast("B")
+                checksum.update(view)
+                f.write(view)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return size
+    return checksum.record()
 
 
 class DiskTableSnapshot:
@@ -114,16 +116,18 @@ class DiskTableSnapshot:
                        or chain["delta_rows"] + changed.numel() > COMPACT_FRACTION * spec.num_rows)
             if compact:
                 name = folder / f"base-{tag}.bin"
-                _write_file(name, self._base_chunks(patch))
-                chain = {"root": root, "base": str(name.relative_to(directory)), "deltas": [], "delta_rows": 0}
+                base = str(name.relative_to(directory))
+                sums = {base: _write_file(name, self._base_chunks(patch))}
+                chain = {"root": root, "base": base, "deltas": [], "delta_rows": 0, "sums": sums}
             else:
                 name = folder / f"delta-{tag}.bin"
-                _write_file(name, self._delta_chunks(changed, patch))
-                chain = {**chain, "deltas": [*chain["deltas"], {"file": str(name.relative_to(directory)),
-                                                                "rows": changed.numel()}],
-                         "delta_rows": chain["delta_rows"] + changed.numel()}
+                delta = str(name.relative_to(directory))
+                sums = {**chain.get("sums", {}), delta: _write_file(name, self._delta_chunks(changed, patch))}
+                chain = {**chain, "deltas": [*chain["deltas"], {"file": delta, "rows": changed.numel()}],
+                         "delta_rows": chain["delta_rows"] + changed.numel(), "sums": sums}
         self._chain = chain
-        files = ([chain["base"]] if chain["base"] else []) + [d["file"] for d in chain["deltas"]]
+        names = ([chain["base"]] if chain["base"] else []) + [d["file"] for d in chain["deltas"]]
+        files = {n: chain["sums"][n] for n in names}  # every file the entry consists of: size and checksum
         return {"precision": store.precision, "disk": {**self._layout(), **chain, "root": None}, "files": files}
 
     def committed(self) -> None:
@@ -180,23 +184,53 @@ def _read_exact(f, nbytes: int, path: Path) -> bytes:
     return data
 
 
+class _CheckedFile:
+    """A checkpoint file read once from start to end, checked against its
+    record: the size when opened, the checksum as the bytes pass (the last
+    read raises DamagedFile before its bytes are used). A checkpoint older
+    than checksums has no record: read unchecked."""
+
+    def __init__(self, saved: dict, name: str) -> None:
+        self.path = _path(saved, name)
+        self.expected = saved["disk"].get("sums", {}).get(name)
+        self.checksum = Checksum()
+
+    def __enter__(self):
+        try:
+            self.f = open(self.path, "rb")
+            if self.expected is not None:
+                check_size(self.path, self.f, self.expected)
+        except OSError as e:
+            raise UserError(f"cannot read checkpoint file {self.path}: {e.strerror or e}") from None
+        return self
+
+    def read(self, nbytes: int) -> bytes:
+        try:
+            data = _read_exact(self.f, nbytes, self.path)
+        except OSError as e:
+            raise UserError(f"cannot read checkpoint file {self.path}: {e.strerror or e}") from None
+        self.checksum.update(data)
+        if self.expected is not None and self.checksum.nbytes == self.expected["bytes"]:
+            check_end(self.path, self.expected, self.checksum)
+        return data
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def _deltas(saved: dict):
     """(local ids, records uint8 [n, R]) chunks of every delta, in order."""
     layout = saved["disk"]
     R = layout["record_bytes"]
     step = max(1, CHUNK_BYTES // R)
     for d in layout["deltas"]:
-        path = _path(saved, d["file"])
         n = d["rows"]
-        try:
-            with open(path, "rb") as f:
-                ids = np.frombuffer(_read_exact(f, 8 * n, path), dtype=np.int64)
-                for a in range(0, n, step):
-                    k = min(step, n - a)
-                    rec = np.frombuffer(_read_exact(f, k * R, path), dtype=np.uint8).reshape(k, R)
-                    yield torch.from_numpy(ids[a:a + k].copy()), torch.from_numpy(rec.copy())
-        except OSError as e:
-            raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
+        with _CheckedFile(saved, d["file"]) as f:
+            ids = np.frombuffer(f.read(8 * n), dtype=np.int64)
+            for a in range(0, n, step):
+                k = min(step, n - a)
+                rec = np.frombuffer(f.read(k * R), dtype=np.uint8).reshape(k, R)
+                yield torch.from_numpy(ids[a:a + k].copy()), torch.from_numpy(rec.copy())
 
 
 def _base(saved: dict, codec):
@@ -214,15 +248,11 @@ def _base(saved: dict, codec):
             state = torch.full((b - a, layout["state_width"]), layout["initial_state"], dtype=torch.float32)
             yield a, codec.pack(encoded, state)
         return
-    path = _path(saved, layout["base"])
-    try:
-        with open(path, "rb") as f:
-            for a in range(0, n, step):
-                k = min(step, n - a)
-                rec = np.frombuffer(_read_exact(f, k * R, path), dtype=np.uint8).reshape(k, R)
-                yield a, torch.from_numpy(rec.copy())
-    except OSError as e:
-        raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
+    with _CheckedFile(saved, layout["base"]) as f:
+        for a in range(0, n, step):
+            k = min(step, n - a)
+            rec = np.frombuffer(f.read(k * R), dtype=np.uint8).reshape(k, R)
+            yield a, torch.from_numpy(rec.copy())
 
 
 def materialize(saved):
@@ -248,6 +278,7 @@ def load_disk_table(store, table: int, saved) -> None:
     if layout is not None and all(layout[k] == v for k, v in identity.items()):
         # The same layout: replay the chain into the live file, chunk by chunk.
         chain = {k: layout[k] for k in ("base", "deltas", "delta_rows")}
+        chain["sums"] = dict(layout.get("sums", {}))
         chain["root"] = str(Path(saved["directory"]).resolve())
         chunks = [((torch.arange(a, a + rec.shape[0]), rec) for a, rec in _base(saved, store.codec)),
                   _deltas(saved)]
@@ -279,30 +310,13 @@ def _converted_chunks(store, table: int, tensors: dict):
 
 
 # --- the checkpoint directory --------------------------------------------------------
-def files_list(checkpoint: Path) -> Path:
-    return checkpoint.with_name(checkpoint.name[: -len(".pt")] + ".files.json")
-
-
-def write_files_list(checkpoint: Path, files: list[str]) -> None:
-    path = files_list(checkpoint)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(sorted(set(files))))
-    os.replace(tmp, path)
-
-
-def collect_garbage(directory: Path) -> None:
-    """Delete disk-table files that no checkpoint left in `directory` names."""
+def collect_garbage(directory: Path, keep: set[str]) -> None:
+    """Delete disk-table files in `directory` that are not in `keep` (the
+    files the kept checkpoints' records name), and temporary files of saves
+    that were killed."""
     disk = Path(directory) / "disk"
     if not disk.is_dir():
         return
-    keep: set[str] = set()
-    for ckpt in Path(directory).glob("step-*.pt"):
-        lst = files_list(ckpt)
-        if lst.is_file():
-            keep.update(json.loads(lst.read_text()))
-    for lst in Path(directory).glob("step-*.files.json"):
-        if not lst.with_name(lst.name[: -len(".files.json")] + ".pt").exists():
-            lst.unlink(missing_ok=True)
     for f in disk.glob("*/*"):
         if re.fullmatch(r"(base|delta)-\d+-[0-9a-f]+\.bin|\.(base|delta)-.*\.tmp-\d+", f.name):
             if str(f.relative_to(directory)) not in keep:

@@ -8,7 +8,14 @@ needed. A damaged latest.json (truncated by a full disk or a crash) is not
 trusted: the newest step-*.pt, complete since it was renamed into place
 whole, is used instead, and a warning says so. Tables on disk
 write their own files first (a base and deltas of changed rows, see
-embeddings/disk_checkpoint.py; step-NNNNNNNN.files.json lists them).
+embeddings/disk_checkpoint.py).
+
+Every file a checkpoint consists of is checksummed while it is written
+(the .pt through HashingWriter: no second read), and its record,
+step-NNNNNNNN.files.json (checkpoint_record.py), is renamed into place
+before the .pt. load_checkpoint checks the .pt against it before torch
+reads it (the disk files are checked as they are read), so a damaged
+checkpoint is one line naming the file, for every reader.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table, write_files_list
+from recsys_cli.checksum import DamagedFile, HashingWriter, file_problem
+from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
 from recsys_cli.errors import UserError, warn, write_error
+from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, record_path, write_record
 
 LATEST = "latest.json"
 BEST = "best.json"  # trainer.keep_best: the checkpoint of the best validation so far
@@ -39,15 +48,20 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     disk_tables = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        state, disk_tables = _save_disk_tables(directory, step, state, path)
+        state, disk_tables, files = _save_disk_tables(directory, step, state)
         # Through a file object: torch's writer then calls its write, and a
         # failed write's OSError (ENOSPC) is kept as the context of the
         # RuntimeError torch raises (given a path, torch says only
-        # "basic_ios::clear: iostream error").
+        # "basic_ios::clear: iostream error"). The writer checksums each
+        # record of the zip as torch streams it out.
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            out = HashingWriter(f)
+            torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())
+        writing = record_path(path)
+        write_record(path, {**files, path.name: out.checksum.record()})  # before the .pt: a .pt in place has one
+        writing = path
         os.replace(tmp, path)
         writing = directory / LATEST
         latest_tmp.write_text(json.dumps({"file": path.name, "step": step}))
@@ -56,6 +70,8 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         written = tmp.stat().st_size if tmp.is_file() else 0
         tmp.unlink(missing_ok=True)
         latest_tmp.unlink(missing_ok=True)
+        if not path.exists():  # a record written for a .pt that never came
+            record_path(path).unlink(missing_ok=True)
         failed = _os_error(e)
         if failed is None:
             raise
@@ -74,8 +90,14 @@ def prune(directory: Path, keep: int) -> None:
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         if old.name != best:
             old.unlink(missing_ok=True)
+    keep: set[str] = set()
+    for ckpt in directory.glob("step-*.pt"):
+        keep.update(read_record(ckpt) or {})
+    for record in directory.glob("step-*.files.json"):  # of a checkpoint pruned, or of a save killed before its rename
+        if not record.with_name(record.name[: -len(".files.json")] + ".pt").exists():
+            record.unlink(missing_ok=True)
     if (directory / "disk").is_dir():
-        collect_garbage(directory)
+        collect_garbage(directory, keep)
 
 
 def best_file(directory: Path | None) -> str | None:
@@ -158,19 +180,19 @@ def newest_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _save_disk_tables(directory: Path, step: int, state: dict, path: Path) -> tuple[dict, list]:
+def _save_disk_tables(directory: Path, step: int, state: dict) -> tuple[dict, list, dict]:
     """Disk tables (DiskTableSnapshot) write their files now and are replaced
-    by their manifests; the list of files goes beside the checkpoint."""
+    by their manifests; returns the state to save, the snapshots and the
+    files they consist of (name -> size and checksum) for the record."""
     tables = state.get("tables") or {}
     snapshots = [(name, t) for name, t in tables.items() if hasattr(t, "save_files")]
     if not snapshots:
-        return state, []
-    saved, files = dict(tables), []
+        return state, [], {}
+    saved, files = dict(tables), {}
     for name, t in snapshots:
         saved[name] = t.save_files(directory, step)
-        files += saved[name]["files"]
-    write_files_list(path, files)
-    return {**state, "tables": saved}, [t for _, t in snapshots]
+        files.update(saved[name]["files"])
+    return {**state, "tables": saved}, [t for _, t in snapshots], files
 
 
 def find_checkpoint(location: str | Path) -> Path:
@@ -206,7 +228,38 @@ def find_latest_run_checkpoint(outputs: Path) -> Path:
     return find_checkpoint(max(candidates, key=lambda p: (p / LATEST).stat().st_mtime))
 
 
+def verify_checkpoint_file(path: Path) -> None:
+    """DamagedFile unless the .pt has the size and checksum its record
+    holds (one read of the file, in bounded chunks). A checkpoint without
+    a record (written before checksums, or by hand) is read unchecked,
+    with a warning."""
+    path = Path(path)
+    files = read_record(path)
+    expected = files.get(path.name) if files is not None else None
+    if expected is None:
+        if path.is_file():
+            warn(f"{path} has no record of its checksum ({record_path(path).name}): read unchecked")
+        return
+    problem = file_problem(path, expected)
+    if problem is not None:
+        raise DamagedFile(path, problem)
+
+
+def intact_before(path: Path) -> Path | None:
+    """The newest checkpoint older than `path` in its directory whose every
+    file matches its record (reads them whole), or None."""
+    path = Path(path)
+    for older in sorted(path.parent.glob("step-*.pt"), reverse=True):
+        if older.name < path.name and not checkpoint_problems(older):
+            return older
+    return None
+
+
 def load_checkpoint(path: Path) -> dict:
+    """The checkpoint at `path`, its .pt checked against its record first
+    (DamagedFile: one line naming it); a disk table's entry is given its
+    directory, where its files are checked as they are read."""
+    verify_checkpoint_file(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from recsys_cli.checksum import DamagedFile
 from recsys_cli.errors import UserError
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
@@ -66,7 +67,19 @@ def resume_path(resume: str, checkpoint_dir: Path | None, run_dir: Path | None) 
 
 
 def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
-    """Load the run saved at `path` into `into` and return where it continues."""
+    """Load the run saved at `path` into `into` and return where it continues.
+    A damaged file of the checkpoint (checksum.py) is one line naming it and
+    the newest older checkpoint that is intact, to resume from instead."""
+    try:
+        return _resume(path, cfg, data, into)
+    except DamagedFile as e:
+        older = ckpt.intact_before(path)
+        then = (f"the older checkpoint {older} is intact: resume from it with trainer.resume={older}"
+                if older is not None else f"no older checkpoint in {Path(path).parent} is intact")
+        raise UserError(f"{e}; {then}") from None
+
+
+def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     state = ckpt.load_checkpoint(path)
     if "config" in state:
         ckpt.check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))

@@ -1,0 +1,73 @@
+"""A checkpoint's record: the files it consists of, each with its size and checksum.
+
+step-NNNNNNNN.files.json beside step-NNNNNNNN.pt names the .pt itself and
+every disk-table file (base, deltas) its tables need, with the size and
+CRC-32 (checksum.py) computed while each was written. It is renamed into
+place before the .pt is, so a checkpoint in place always has its record.
+Every reader of a checkpoint checks the .pt against it (load_checkpoint),
+the disk files as it reads them (disk_checkpoint.py), and `recsys verify`
+checks every file of every checkpoint of a run.
+
+A record written before checksums (a JSON list of disk-file names) still
+names the files a checkpoint keeps, with nothing to check them against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from recsys_cli.checksum import file_problem
+
+FORMAT = 2
+
+
+def record_path(checkpoint: Path) -> Path:
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(checkpoint.name[: -len(".pt")] + ".files.json")
+
+
+def write_record(checkpoint: Path, files: dict[str, dict]) -> Path:
+    """Write the record of `checkpoint`: file name (relative to its directory) -> {bytes, crc32}."""
+    path = record_path(checkpoint)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_record(checkpoint: Path) -> dict[str, dict | None] | None:
+    """name -> {bytes, crc32} (None for a file an old record names without a
+    checksum); None when the checkpoint has no readable record."""
+    try:
+        data = json.loads(record_path(checkpoint).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(data, list):  # before checksums: disk-file names only
+        return {str(name): None for name in data}
+    if isinstance(data, dict) and isinstance(data.get("files"), dict):
+        return data["files"]
+    return None
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """One line per file of `checkpoint` that is missing or not as recorded
+    (reads every file whole); no record at all is a problem too."""
+    checkpoint = Path(checkpoint)
+    files = read_record(checkpoint)
+    if files is None or checkpoint.name not in files:
+        return [f"{checkpoint}: no record of its files' checksums ({record_path(checkpoint).name} is missing or "
+                "damaged, or the checkpoint is older than checksums)"]
+    found = []
+    for name, expected in files.items():
+        path = checkpoint.parent / name
+        problem = file_problem(path, expected) if expected is not None else (
+            "missing" if not path.is_file() else None)
+        if problem is not None:
+            found.append(f"checkpoint file {path} is damaged: {problem}")
+    return found

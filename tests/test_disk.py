@@ -205,9 +205,37 @@ def test_parallel_reads_return_the_serial_reads_bytes(tmp_path, monkeypatch):
     assert torch.equal(got_parallel[0], got_serial[0]) and torch.equal(got_parallel[1], got_serial[1])
     assert torch.equal(got_parallel[0], rows[torch.cat([torch.arange(2_500), torch.arange(100)])])
     assert bool((got_parallel[1] == 2.0).all())
+    from recsys_cli.errors import UserError
+
     for store in (serial, parallel):  # the file loses its last rows under the store
         os.ftruncate(store.fd, 400_000 * store.record_bytes)
-        with pytest.raises(RuntimeError, match="read past the end of the disk table"):
+        monkeypatch.setattr(store, "_check_file", lambda: None)  # past the size check: each read checks its length
+        with pytest.raises(UserError, match=f"^{store.path}: short read .* the live disk table was truncated"):
             store.read(torch.arange(0, 500_000, 300))
         store.close()
     assert parallel._io_pool is None
+
+
+def test_a_live_file_truncated_or_replaced_behind_the_store_is_named(tmp_path):
+    """Reads that the truncated file still holds, and writes (which would
+    silently extend it), stop once the file is shorter than the table, or
+    is another file (issue 27)."""
+    import os
+
+    from recsys_cli.errors import UserError
+
+    store = _store(tmp_path, 1, rows=1000)
+    rows, state = store.read(torch.arange(4))
+    os.truncate(store.path, store.record_bytes * 500)
+    for touch in (lambda: store.read(torch.arange(4)), lambda: store.write(torch.arange(4), rows, state)):
+        with pytest.raises(UserError, match=f"^{store.path}: the live disk table was truncated to "
+                                            f"{store.record_bytes * 500:,} of {store.record_bytes * 1000:,} bytes"):
+            touch()
+    store.close()
+    store = _store(tmp_path, 1, rows=1000)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\0" * store.record_bytes * 1000)
+    os.replace(other, store.path)
+    with pytest.raises(UserError, match="the live disk table was replaced behind the run"):
+        store.read(torch.arange(4))
+    store.close()

@@ -86,6 +86,32 @@ def test_an_unwritable_disk_path_is_one_line_exit_2(tmp_path):
     assert str(blocker / "tables") in err and "placement.disk_path" in err
 
 
+def test_a_live_table_truncated_mid_training_stops_the_run_and_keeps_the_checkpoint(tmp_path):
+    """The live file truncated to 0 bytes after the first checkpoint: the run
+    trained on to exit 0 with wrong rows (issue 27); now the next read or
+    write of the store stops it, one line naming the file, exit 2, and the
+    checkpoint stays whole."""
+    live = tmp_path / "live"
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    cmd = [RECSYS, "train", *SMALL, *DISK, "trainer.max_steps=100000", "trainer.checkpoint_every=10",
+           f"placement.disk_path={live}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = tmp_path / "run" / "checkpoints" / "latest.json"
+    deadline = time.time() + 300  # a liveness bound far above the seconds the first checkpoint takes
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    (table,) = live.glob("recsys-disk-*/rows.bin")
+    os.truncate(table, 0)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: {table}: ") and "truncated" in lines[0], lines[0]
+    assert "resume from it (trainer.resume=true)" in lines[0], lines[0]
+    ok = subprocess.run([RECSYS, "verify", str(tmp_path / "run")], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr  # the last checkpoint's files are whole
+
+
 FULL_DISK = textwrap.dedent("""
     import resource, signal, sys
     sys.path.insert(0, {tests!r})

@@ -87,6 +87,11 @@ SLOW_READ_SECONDS = 50e-6
 PARALLEL_RUNS = 16
 
 
+# What a damaged live table means for the run: nothing after the last checkpoint is kept.
+LOST = ("rows trained since the last checkpoint are lost, so the run stops; the last checkpoint is kept: resume "
+        "from it (trainer.resume=true), with placement.disk_path on a disk nothing else writes to")
+
+
 def disk_error(path, e: OSError, doing: str) -> UserError:
     """One line naming the path and what failed (full disk, unwritable path)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -171,6 +176,8 @@ class DiskRowStore:
             self._finalizer = weakref.finalize(self, _close_and_remove, self.fd, self.directory)
             if need:
                 os.posix_fallocate(self.fd, 0, need)  # the space now, not a full disk halfway through training
+            opened = os.fstat(self.fd)
+            self._inode, self._device = opened.st_ino, opened.st_dev
         except OSError as e:
             self.close()
             raise disk_error(self.path, e, f"allocate {need:,} bytes of disk tables") from None
@@ -219,9 +226,28 @@ class DiskRowStore:
         done, offset = 0, first * self.record_bytes
         while done < view.nbytes:
             got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise RuntimeError(f"{self.path}: read past the end of the disk table at byte {offset + done}")
+            if got <= 0:  # the file ends early: something truncated it behind the store
+                raise UserError(f"{self.path}: short read ({done:,} of {view.nbytes:,} bytes at byte {offset:,}): "
+                                f"the live disk table was truncated behind the run; {LOST}")
             done += got
+
+    def _check_file(self) -> None:
+        """The live file is still the store's own and whole (at every batch of
+        reads or writes: an fstat and a stat, microseconds). A file truncated
+        or replaced behind the store would serve zeros or another file's rows
+        (a write past a truncated end even succeeds), so the run stops."""
+        need = self.num_rows * self.record_bytes
+        size = os.fstat(self.fd).st_size
+        if size < need:
+            raise UserError(f"{self.path}: the live disk table was truncated to {size:,} of {need:,} bytes "
+                            f"behind the run; {LOST}")
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            now = None
+        if now is None or (now.st_ino, now.st_dev) != (self._inode, self._device):
+            raise UserError(f"{self.path}: the live disk table was {'deleted' if now is None else 'replaced'} "
+                            f"behind the run; {LOST}")
 
     def _read_file(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of sorted distinct `rows` from the file: runs of rows less
@@ -230,6 +256,7 @@ class DiskRowStore:
         out = torch.empty(n, R, dtype=torch.uint8)
         if n == 0:
             return out
+        self._check_file()
         start = time.perf_counter()
         r = rows.numpy()
         gap = max(0, PAGE_BYTES // R - 1)
@@ -285,6 +312,7 @@ class DiskRowStore:
         """Records of distinct `rows` into the file, sorted, one write per run of consecutive rows."""
         if rows.numel() == 0:
             return
+        self._check_file()
         start = time.perf_counter()
         order = torch.argsort(rows)
         r, rec = rows[order].numpy(), records[order].numpy()

@@ -55,6 +55,7 @@ import pyarrow as pa
 
 from data_tools import dataset_dir
 from data_tools import shards as sh
+from data_tools.criteo_text import dense_log1p
 from data_tools.errors import UserError
 from data_tools.manifest import (
     CRITEO_DENSE,
@@ -67,7 +68,8 @@ from data_tools.manifest import (
 )
 from data_tools.metrics import roc_auc
 
-GENERATOR_VERSION = 3  # part of the cache key: bump when the output changes (3: scales above 1 uncapped)
+# part of the cache key: bump when the output changes (3: scales above 1 uncapped; 4: dense log1p in float64)
+GENERATOR_VERSION = 4
 
 # Criteo Kaggle distinct values per categorical feature (DLRM's counts).
 KAGGLE_CARDINALITIES = [
@@ -375,7 +377,7 @@ def _sample_chunk(world: _World, rng: np.random.Generator, n: int, session_start
             fresh = np.where(repeat, sval[session_of_row], fresh)
         ids.append(fresh.astype(np.int32))
     raw, dmissing = _dense_raw(world, rng, n)
-    dense = np.log1p(np.maximum(raw, 0).astype(np.float32))
+    dense = dense_log1p(raw)  # what preprocessing computes from the same integers
     dense[dmissing] = 0.0
     bags = _bags(world, rng, ns)
     if cfg.sessions and bags:

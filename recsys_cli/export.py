@@ -1,13 +1,24 @@
-"""`recsys export checkpoint=RUN_OR_FILE [precision=fp32|fp16|int8|int4] [output=model.pt2]`
+"""`recsys export checkpoint=RUN_OR_FILE [precision=fp32|fp16|int8|int4] [output=model.pt2] [vocab=DIR]`
 
 A self-contained inference artifact: one torch.export program (.pt2) that
-holds the MLPs and every table, loadable with torch alone:
+holds the MLPs, every table and the dataset's mapping of raw values to ids,
+so it scores raw Criteo fields, loadable with torch alone:
 
     import torch
     model = torch.export.load("model-int8.pt2").module()
-    dense = torch.log1p(torch.tensor(raw_I1_to_I13, dtype=torch.float32).clamp(min=0))  # [B, 13]
-    ids = torch.tensor(ids_C1_to_C26)  # [B, 26] int64, the dataset's ids (vocab/*.npy; 0 = unknown)
-    p = model(dense, ids)  # [B] click probabilities
+    p = model(dense, categorical)  # [B] click probabilities
+    # dense: int64 [B, 13], I1..I13 as written (missing -> 0)
+    # categorical: int64 [B, 26], C1..C26 as the uint32 their 8 hex digits spell (missing -> -1)
+
+`raw_inputs(lines)` turns TSV lines into those two tensors. Inside the
+program the dense values go through preprocessing's transform (log1p of
+max(x, 0) in float64, rounded to float32: data_tools/criteo_text.py) and
+the categorical values through the dataset's mapping: vocabulary mode, one
+binary search over the saved sorted values (0 for values without an id and
+for missing ones); hashing mode, 1 + value % (buckets - 1), 0 for missing;
+a dataset without raw values (synthetic) takes its ids as they are (missing
+or -1 -> 0). An fp32 artifact scores raw rows bit for bit like `recsys
+predict` on them at the same batch size (tested).
 
 Tables are stored in `precision` (converted from the checkpoint's, by
 nearest rounding when going down): fp32 and fp16 rows, or int8 / int4 codes
@@ -15,7 +26,7 @@ with one fp16 scale and bias per row (FBGEMM's fused inference rows: value =
 code * scale + bias; int4 packs two codes a byte). fp32 from an fp32 run
 scores bit for bit like the checkpoint. The program's metadata
 (`extra_files["recsys.json"]`) names the features, their vocabulary sizes,
-the precision and the dataset vocabulary's fingerprint.
+the precision, the mapping and the dataset vocabulary's fingerprint.
 """
 
 from __future__ import annotations
@@ -42,21 +53,85 @@ class ExportConfig:
     checkpoint: Optional[str] = None
     precision: str = "fp32"  # fp32 | fp16 | int8 | int4
     output: Optional[str] = None  # default: <run dir>/model-<precision>.pt2
+    vocab: Optional[str] = None  # dataset whose vocabulary maps raw values (default: the training dataset's)
+
+
+def dense_log1p(raw: torch.Tensor) -> torch.Tensor:
+    """torch twin of data_tools.criteo_text.dense_log1p (float64, rounded once):
+    the same float32 for every integer (tests/test_predict.py)."""
+    return torch.log1p(raw.clamp(min=0).to(torch.float64)).to(torch.float32)
+
+
+class RawIds(nn.Module):
+    """categorical int64 [B, F] (raw uint32 values, -1 = missing) -> ids int64 [B, F],
+    as preprocessing maps them (data_tools/vocab.py).
+
+    mode "vocabulary": every feature's sorted values in one buffer, feature f's
+    offset by f * 2^32 so that one searchsorted finds all; a value without an
+    id, missing (-1) or outside uint32 gets 0. mode "hash": 1 + value % (buckets - 1),
+    missing 0. mode "ids": the values are the dataset's ids (missing -> 0)."""
+
+    def __init__(self, mode: str, num_features: int, tables=None, hash_buckets: int | None = None) -> None:
+        super().__init__()
+        self.mode = mode
+        self.num_features = num_features
+        self.hash_buckets = hash_buckets
+        if mode == "vocabulary":
+            import numpy as np
+
+            keys = [np.asarray(t.values, dtype=np.int64) + (f << 32) for f, t in enumerate(tables)]
+            ids = [np.asarray(t.ids, dtype=np.int64) for t in tables]
+            # a sentinel above every key keeps positions in range without a clamp
+            self.register_buffer("keys", torch.from_numpy(np.concatenate([*keys, [num_features << 32]])))
+            self.register_buffer("ids", torch.from_numpy(np.concatenate([*ids, [0]])))
+            self.register_buffer("offsets", torch.arange(num_features, dtype=torch.int64) << 32)
+
+    def forward(self, categorical: torch.Tensor) -> torch.Tensor:
+        if self.mode == "ids":
+            return categorical.clamp(min=0)
+        present = categorical >= 0
+        if self.mode == "hash":
+            return torch.where(present, categorical.remainder(self.hash_buckets - 1) + 1, 0)
+        present = present & (categorical < (1 << 32))
+        keys = torch.where(present, categorical, 0) + self.offsets  # below the sentinel: positions in range
+        pos = torch.searchsorted(self.keys, keys)
+        hit = present & (self.keys[pos] == keys)
+        return torch.where(hit, self.ids[pos], 0)
 
 
 class ScoringModule(nn.Module):
-    """(dense float32 [B, 13], ids int64 [B, F]) -> click probabilities [B]."""
+    """(dense int64 [B, 13], categorical int64 [B, F]) raw -> click probabilities [B]."""
 
-    def __init__(self, dlrm: nn.Module) -> None:
+    def __init__(self, dlrm: nn.Module, raw_ids: RawIds) -> None:
         super().__init__()
         self.dlrm = dlrm
+        self.raw_ids = raw_ids
 
-    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        pooled = self.dlrm.embeddings.pool_onehot(ids)
-        return torch.sigmoid(self.dlrm.dense_forward(dense, pooled))
+    def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
+        pooled = self.dlrm.embeddings.pool_onehot(self.raw_ids(categorical))
+        return torch.sigmoid(self.dlrm.dense_forward(dense_log1p(dense), pooled))
 
 
-def export_program(loaded) -> torch.export.ExportedProgram:
+def raw_ids_of(loaded, vocab_dir: str | None) -> RawIds:
+    """The mapping of the checkpoint's dataset (or vocab=DIR), checked against the checkpoint."""
+    from data_tools.manifest import ManifestError, load_manifest
+    from recsys_cli.predict import training_vocabulary
+
+    num = len(loaded.features)
+    source = Path(vocab_dir).expanduser() if vocab_dir else loaded.dataset_dir
+    if source is not None and not vocab_dir:
+        try:
+            if "vocabulary" not in load_manifest(source).options:  # synthetic: ids, no raw values
+                return RawIds("ids", num)
+        except ManifestError:
+            pass  # training_vocabulary says what is wrong
+    vocabulary = training_vocabulary(loaded, vocab_dir)
+    if vocabulary.mode == "hash":
+        return RawIds("hash", num, hash_buckets=int(vocabulary.hash_buckets))
+    return RawIds("vocabulary", num, vocabulary.tables)
+
+
+def export_program(loaded, raw_ids: RawIds) -> torch.export.ExportedProgram:
     from torch.export import Dim
 
     model = loaded.model
@@ -67,14 +142,48 @@ def export_program(loaded) -> torch.export.ExportedProgram:
     for name, buf in list(tables.named_buffers()):
         if buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
             setattr(tables, name, buf.clone())
-    module = ScoringModule(model).eval()
+    module = ScoringModule(model, raw_ids).eval()
     for p in module.parameters():  # an inference program: no autograd graph on its outputs
         p.requires_grad_(False)
     num_dense = loaded.model.bottom[0].in_features
-    example = (torch.zeros(4, num_dense), torch.zeros(4, len(loaded.tables.features), dtype=torch.int64))
+    example = (torch.zeros(4, num_dense, dtype=torch.int64),
+               torch.zeros(4, len(loaded.tables.features), dtype=torch.int64))
     batch = Dim("batch", min=1, max=1 << 24)
     with torch.no_grad():
         return torch.export.export(module, example, dynamic_shapes=({0: batch}, {0: batch}), strict=False)
+
+
+def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
+    """Criteo TSV lines (str or bytes; 40 fields, or 39 without the label)
+    -> (dense int64 [B, 13], categorical int64 [B, 26]), an artifact's inputs,
+    parsed as `recsys preprocess` parses them; ValueError naming the line
+    and column of a bad one."""
+    import numpy as np
+
+    from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line
+
+    lines = [ln.encode() if isinstance(ln, str) else bytes(ln) for ln in lines]
+    lines = [ln.rstrip(b"\r\n") for ln in lines]
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        return torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)
+    labels = lines[0].count(b"\t") + 1 == NUM_COLUMNS
+    try:
+        d = BlockParser(labels=labels).parse(b"\n".join(lines) + b"\n", want_dense=True)
+        if d.rows != len(lines):
+            raise BadBlock("row count")
+    except BadBlock:
+        from data_tools.criteo_text import LINE_RE, UNLABELLED_LINE_RE
+
+        pattern = LINE_RE if labels else UNLABELLED_LINE_RE
+        for i, ln in enumerate(lines, 1):
+            if not pattern.fullmatch(ln):
+                raise ValueError(f"line {i}: {diagnose_line(ln, False, labels)}") from None
+        raise ValueError("the lines could not be parsed") from None
+    categorical = np.full((d.rows, NUM_SPARSE), -1, dtype=np.int64)
+    for f in range(NUM_SPARSE):
+        categorical[d.present[f], f] = d.values[f]
+    return torch.from_numpy(d.dense_raw.copy()), torch.from_numpy(categorical)
 
 
 def export(cfg: ExportConfig, console=None) -> dict:
@@ -96,12 +205,15 @@ def export(cfg: ExportConfig, console=None) -> dict:
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}.pt2"
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model.pt2)")
+    raw_ids = raw_ids_of(loaded, cfg.vocab)
     with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
-        program = export_program(loaded)
+        program = export_program(loaded, raw_ids)
     meta = {
-        "format": "recsys export 1",
-        "inputs": {"dense": "float32 [B, 13]: log(1 + max(x, 0)) of I1..I13, missing -> 0",
-                   "ids": "int64 [B, F]: per feature the dataset vocabulary's id (0 = missing or unknown)"},
+        "format": "recsys export 2",
+        "inputs": {"dense": "int64 [B, 13]: I1..I13 as written, missing -> 0",
+                   "categorical": ("int64 [B, F]: C1..C26 as the uint32 their hex digits spell, missing -> -1"
+                                   if raw_ids.mode != "ids" else "int64 [B, F]: the dataset's ids, missing -> 0")},
+        "mapping": raw_ids.mode,
         "returns": "float32 [B]: click probability",
         "features": loaded.features,
         "precision": cfg.precision,

@@ -76,8 +76,9 @@ def reference(rows, min_count: int = 1):
     ids = np.array([[maps[f].get(v, 0) for f, v in enumerate(r[14:])] for r in rows], dtype=np.int32)
     labels = np.array([float(r[0]) for r in rows], dtype=np.float32)
     dense = np.array(
-        [[np.log1p(np.float32(max(int(x), 0))) if x else 0.0 for x in r[1:14]] for r in rows], dtype=np.float32
-    )
+        [[np.float32(np.log1p(np.float64(max(int(x), 0)))) if x else 0.0 for x in r[1:14]] for r in rows],
+        dtype=np.float32,
+    )  # log1p in float64, rounded once to float32
     return [len(m) + 1 for m in maps], ids, labels, dense
 
 

@@ -232,18 +232,71 @@ EXPORT_TOLERANCE = {"fp16": 1e-4, "int8": 2e-3, "int4": 2e-2}  # measured: 1.2e-
 
 
 def val_inputs(trained):
-    from recsys_cli.data.loader import ShardLoader
+    """The artifact's raw inputs for the val rows, from their TSV lines."""
+    from recsys_cli.export import raw_inputs
 
-    batches = list(ShardLoader(trained["data"], "val", 10_000, shuffle=False, drop_last=False))
-    assert len(batches) == 1
-    b = batches[0]
-    return b.dense, b.sparse.values.view(len(b.sparse.keys), b.size).t().contiguous()
+    return raw_inputs("\t".join(r) + "\n" for r in trained["val_rows"])
+
+
+def test_raw_inputs_parse_like_preprocess(trained):
+    dense, categorical = val_inputs(trained)
+    rows = trained["val_rows"]
+    assert dense.dtype == categorical.dtype == torch.int64
+    assert torch.equal(dense, torch.tensor([[int(x) if x else 0 for x in r[1:14]] for r in rows]))
+    assert torch.equal(categorical, torch.tensor([[int(v, 16) if v else -1 for v in r[14:]] for r in rows]))
+    from recsys_cli.export import raw_inputs
+
+    d39, c39 = raw_inputs(["\t".join(r[1:]) for r in rows[:5]])  # unlabelled, no line ends
+    assert torch.equal(d39, dense[:5]) and torch.equal(c39, categorical[:5])
+    bad = ["\t".join(r) for r in rows[:3]] + ["\t".join(rows[3][:20] + ["xyz"] + rows[3][21:])]
+    with pytest.raises(ValueError, match=r"line 4: column C7: 'xyz' is not 8 hex digits"):
+        raw_inputs(bad)
+
+
+def test_dense_transform_numpy_equals_torch():
+    """The artifact's dense transform (torch) gives preprocessing's float32
+    (numpy) for every integer; float32 log1p would not (numpy's and torch's
+    differ on many)."""
+    from data_tools.criteo_text import dense_log1p as numpy_log1p
+    from recsys_cli.export import dense_log1p as torch_log1p
+
+    x = np.concatenate([np.arange(-3, 1 << 22), np.random.default_rng(0).integers(0, 1 << 62, 1 << 18),
+                        [2**63 - 1, -(2**63)]]).astype(np.int64)
+    assert torch.equal(torch_log1p(torch.from_numpy(x)), torch.from_numpy(numpy_log1p(x)))
+    small = np.arange(1 << 22)
+    assert (np.log1p(small.astype(np.float32)) != torch.log1p(torch.from_numpy(small).float()).numpy()).any()
+
+
+@pytest.mark.parametrize("mode", ["vocabulary", "hash"])
+def test_raw_ids_map_like_the_vocabulary(trained, mode):
+    """The artifact's mapping (torch) == data_tools.vocab's lookup (numpy) on
+    known, unknown, boundary and missing values."""
+    from data_tools.vocab import Vocabulary, load_vocabulary
+    from recsys_cli.export import RawIds
+
+    vocab = load_vocabulary(trained["data"]) if mode == "vocabulary" else Vocabulary(
+        [f"C{i}" for i in range(1, 27)], "hash", hash_buckets=1001)
+    rng = np.random.default_rng(1)
+    n = 4000
+    raw = rng.integers(0, 1 << 32, (n, 26), dtype=np.int64)
+    raw[:8] = [0], [1], [2**32 - 1], [2**32 - 2], [1000], [999], [12345], [2**31]
+    if mode == "vocabulary":
+        for f, t in enumerate(vocab.tables):  # half the rows: values with an id
+            raw[8:n // 2, f] = rng.choice(np.asarray(t.values), n // 2 - 8)
+    missing = rng.random((n, 26)) < 0.1
+    expected = np.zeros((n, 26), dtype=np.int64)
+    for f in range(26):
+        expected[~missing[:, f], f] = vocab.lookup(f, raw[~missing[:, f], f].astype(np.uint32))
+    mapping = RawIds(mode, 26, vocab.tables, vocab.hash_buckets)
+    got = mapping(torch.from_numpy(np.where(missing, -1, raw)))
+    assert torch.equal(got, torch.from_numpy(expected))
+    assert (expected[~missing] > 0).mean() > (0.4 if mode == "vocabulary" else 0.99)
 
 
 def test_export_round_trip(trained, tmp_path):
     from recsys_cli.export import ExportConfig, export, load_metadata
 
-    dense, ids = val_inputs(trained)
+    dense, ids = val_inputs(trained)  # raw values: the artifact maps them itself
     reference = torch.sigmoid(trained["logits"])
     sizes, diffs = {}, {}
     for precision in ("fp32", "fp16", "int8", "int4"):
@@ -264,6 +317,7 @@ def test_export_round_trip(trained, tmp_path):
             diffs[precision] = (p - reference).abs().max().item()
             assert 0 < diffs[precision] <= EXPORT_TOLERANCE[precision], diffs
         meta = load_metadata(out)
+        assert meta["mapping"] == "vocabulary"
         assert meta["precision"] == precision and meta["features"] == trained["trainer"].state_dict()["features"]
     dim, rows = 16, sum(trained["trainer"].state_dict()["features"].values())
     assert sizes == {"fp32": rows * dim * 4, "fp16": rows * dim * 2, "int8": rows * (dim + 4),

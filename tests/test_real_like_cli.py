@@ -61,3 +61,35 @@ def test_the_default_lookahead_cache_fits_a_small_real_dataset(run):
     assert f"{expected:,} slots" in line and "raised to what the 4 batches of the window can need" in line
     summary = json.loads((run["tmp"] / "run" / "summary.json").read_text())
     assert summary["cache"]["cache_slots"] == expected and summary["steps"] == 6
+
+
+def test_the_export_scores_raw_rows_like_predict(run):
+    """`recsys export`'s artifact on raw TSV rows (load + one call) == `recsys
+    predict` on the same rows, bit for bit (fp32, one batch of the same size)."""
+    import numpy as np
+    import torch
+
+    from recsys_cli.export import raw_inputs
+
+    tmp, rows = run["tmp"], run["rows"][:700]
+    rng = random.Random(9)  # and rows with values the vocabulary has never seen (id 0)
+    rows += [r[:14] + [f"{rng.getrandbits(32):08X}" if v else "" for v in r[14:]] for r in rows[:50]]
+    assert run["train"].returncode == 0, run["train"].stderr
+    write_raw(tmp / "score.txt", [r[1:] for r in rows])  # unlabelled, like Criteo's test.txt
+    export = recsys("export", "checkpoint=run", "output=model.pt2", cwd=tmp)
+    assert export.returncode == 0, export.stderr
+    pred = recsys("predict", "checkpoint=run", "input=score.txt", "output=preds.csv", f"batch_size={len(rows)}",
+                  "device=cpu", "progress=false", cwd=tmp)
+    assert pred.returncode == 0, pred.stderr
+    expected = np.array([np.float32(x) for x in (tmp / "preds.csv").read_text().splitlines()[1:]], dtype=np.float32)
+
+    model = torch.export.load(str(tmp / "model.pt2")).module()
+    dense, categorical = raw_inputs((tmp / "score.txt").read_text().splitlines())
+    got = model(dense, categorical)
+    assert len(expected) == len(rows) and torch.equal(got, torch.from_numpy(expected))
+    # the rows exercise unseen values, missing values and negatives
+    from data_tools.vocab import load_vocabulary
+
+    vocab, new = load_vocabulary(tmp / "data"), categorical[-50:].numpy()
+    assert sum((vocab.lookup(f, new[new[:, f] >= 0, f]) == 0).sum() for f in range(26)) > 1000
+    assert (categorical == -1).any() and (dense < 0).any()

@@ -47,6 +47,20 @@ def test_redirected_run_logs_every_log_every_steps_to_stdout_and_app_log(tmp_pat
     assert export.returncode == 0, export.stderr
     phases = [line for line in export.stderr.splitlines() if line.startswith("export: ")]
     assert [p.split()[1] for p in phases[:3]] == ["loaded", "traced", "wrote"]
+    # a synthetic dataset has no raw values: its artifact takes the dataset's ids (missing -1 -> 0)
+    import torch
+
+    from recsys_cli.export import dense_log1p, load_metadata
+    from recsys_cli.inference import load_model
+
+    artifact = tmp_path / "run" / "model-fp32.pt2"
+    assert load_metadata(artifact)["mapping"] == "ids"
+    loaded = load_model(tmp_path / "run", device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randint(-2, 10_000, (64, 13), generator=gen)
+    ids = torch.stack([torch.randint(-1, n, (64,), generator=gen) for n in loaded.features.values()], dim=1)
+    expected = torch.sigmoid(loaded.logits_onehot(dense_log1p(dense), ids.clamp(min=0)))
+    assert torch.equal(torch.export.load(str(artifact)).module()(dense, ids), expected)
 
 
 def test_progress_false_keeps_the_log_lines_and_quiets_stdout(tmp_path, caplog):

@@ -71,6 +71,10 @@ class RawIds(nn.Module):
     id, missing (-1) or outside uint32 gets 0. mode "hash": 1 + value % (buckets - 1),
     missing 0. mode "ids": the values are the dataset's ids (missing -> 0)."""
 
+    keys: torch.Tensor  # buffers (vocabulary mode)
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
     def __init__(self, mode: str, num_features: int, tables=None, hash_buckets: int | None = None) -> None:
         super().__init__()
         self.mode = mode

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 
@@ -56,7 +57,7 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         # record of the zip as torch streams it out.
         with open(tmp, "wb") as f:
             out = HashingWriter(f)
-            torch.save(state, out)
+            torch.save(state, cast(IO[bytes], out))  # a file object in all but name: write, flush, fileno
             f.flush()
             os.fsync(f.fileno())
         writing = record_path(path)
@@ -90,14 +91,14 @@ def prune(directory: Path, keep: int) -> None:
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         if old.name != best:
             old.unlink(missing_ok=True)
-    keep: set[str] = set()
+    referenced: set[str] = set()  # the disk files the remaining checkpoints consist of
     for ckpt in directory.glob("step-*.pt"):
-        keep.update(read_record(ckpt) or {})
+        referenced.update(read_record(ckpt) or {})
     for record in directory.glob("step-*.files.json"):  # of a checkpoint pruned, or of a save killed before its rename
         if not record.with_name(record.name[: -len(".files.json")] + ".pt").exists():
             record.unlink(missing_ok=True)
     if (directory / "disk").is_dir():
-        collect_garbage(directory, keep)
+        collect_garbage(directory, referenced)
 
 
 def best_file(directory: Path | None) -> str | None:

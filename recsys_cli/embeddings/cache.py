@@ -792,12 +792,12 @@ class CachedGroup(TableGroup):
             return rows
 
     # --- whole tables ------------------------------------------------------------
-    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The store's tables with every dirty resident row quantized into the
         copy (a snapshot: the live cache, store and dirty bits do not change)."""
         with self.cond:
             self._settled()
-            return super().table_state(patch_beside)
+            return super().table_state()
 
     def _snapshot_patch(self, lo: int, hi: int):
         with self.cond:  # a disk store asks when its checkpoint writes the table

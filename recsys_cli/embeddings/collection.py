@@ -191,12 +191,10 @@ class EmbeddingBagCollection(nn.Module):
         return lines
 
     # --- whole tables --------------------------------------------------------
-    def table_state(self, patch_beside: bool = False) -> dict[str, dict]:
-        """Every group's tables (TableGroup.table_state); patch_beside: a
-        checkpoint's form, the cache's dirty rows beside the tables, not copied in."""
+    def table_state(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for g in self.groups:
-            out.update(g.table_state(patch_beside))
+            out.update(g.table_state())
         return out
 
     def load_table_state(self, tables: dict[str, dict]) -> None:

@@ -79,8 +79,7 @@ class RowStoreProtocol(Protocol):
 
     def table_snapshot(self, spec: TableSpec, lo: int, hi: int, patch: SnapshotPatch | None = None) -> Any:
         """Table `spec` (fused rows [lo, hi)) for a checkpoint, dirty cached
-        rows beside it (a host store's "patch") or written into its files (a
-        disk store); changes nothing."""
+        rows patched in; changes nothing."""
         ...
 
     def load_table(self, spec: TableSpec, lo: int, hi: int, saved: Any) -> None:
@@ -201,7 +200,7 @@ class CheckpointedCache(Protocol):
         """fp32 current rows of `ids` (cached copy where resident)."""
         ...
 
-    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]: ...
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]: ...
 
     def cache_snapshot(self) -> dict: ...
 

@@ -21,7 +21,6 @@ import torch
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
-from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.embeddings.protocols import RowStoreProtocol
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec
@@ -78,7 +77,7 @@ class TableGroup(abc.ABC):
         """Current fp32 rows, no side effects (evaluation, checks)."""
 
     # --- whole-table access: checkpoints and reports -----------------------
-    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per table, the current rows in the store's native tensors (rows in
         their precision and the optimizer state), as the store snapshots them
         (RowStore.table_snapshot: views of a host store; a disk store: the rows
@@ -86,15 +85,11 @@ class TableGroup(abc.ABC):
         it changes nothing in the live run; rows that live elsewhere (a cache's
         dirty rows) are patched into the snapshot. Like the host store's
         views, a snapshot holds the run's current values only until the run
-        goes on: write it at once (the trainer's save is synchronous).
-        patch_beside: a host store's dirty rows come as the entry's "patch"
-        instead of a copy of the table with them put in (checkpoints: readers
-        put it in, quant.patched_entry)."""
+        goes on: write it at once (the trainer's save is synchronous)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            entry = self.store.table_snapshot(t, lo, hi, functools.partial(self._snapshot_patch, lo, hi))
-            out[t.name] = entry if patch_beside or not isinstance(entry, dict) else patched_entry(entry)
+            out[t.name] = self.store.table_snapshot(t, lo, hi, functools.partial(self._snapshot_patch, lo, hi))
         return out
 
     def _snapshot_patch(self, lo: int, hi: int):
@@ -214,9 +209,9 @@ class DirectGroup(TableGroup):
             ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
         return self.runtime.to_device(self.store.rows.read(ids), self.device)
 
-    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
         self.flush()
-        return super().table_state(patch_beside)
+        return super().table_state()
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
         self.flush()

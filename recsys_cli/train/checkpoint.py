@@ -30,7 +30,6 @@ import torch
 
 from recsys_cli.checksum import DamagedFile, HashingWriter, file_problem
 from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
-from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.errors import UserError, warn, write_error
 from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, record_path, write_record
 
@@ -266,12 +265,9 @@ def load_checkpoint(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
-    tables = (state.get("tables") or {}) if isinstance(state, dict) else {}
-    for name, table in tables.items():
+    for table in (state.get("tables") or {}).values() if isinstance(state, dict) else ():
         if is_disk_table(table):  # its files lie beside the checkpoint
             table["directory"] = str(Path(path).parent)
-        elif isinstance(table, dict):  # a cache's dirty rows, saved beside the table: put in (just loaded: in place)
-            tables[name] = patched_entry(table, in_place=True)
     return state
 
 

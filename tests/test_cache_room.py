@@ -186,7 +186,7 @@ def test_protection_equals_the_union_of_each_window():
                     for b in range(24, index))
     hits = torch.randint(0, capacity, (30,), generator=gen)
     row_of_slot = torch.where(torch.rand(capacity, generator=gen) < 0.8, torch.arange(capacity), -1)
-    scratch = torch.full((capacity,), _UNSET, dtype=torch.int64)
+    scratch = torch.full((capacity,), _UNSET, dtype=torch.int32)  # the cache's own: int32 ages
     protection = _Protection(index, hits, history, row_of_slot, scratch)
     assert bool((scratch == _UNSET).all())
     for first in range(20, index + 1):  # first <= index: a batch always protects its hits
@@ -242,21 +242,94 @@ def test_the_placement_searchs_index_bytes_are_what_a_lookahead_cache_holds():
     assert index_bytes == [cache_index_bytes(SLOTS, group.num_rows)]
 
 
+# Tensors whose size is fixed by the tables or the probe window, not the slots.
+_NOT_PER_SLOT = {"feature_row_offset", "feature_row_offset_sorted", "feature_order", "_steps"}
+
+
+def _held_index_bytes(group: CachedGroup) -> int:
+    """Bytes of every index tensor the cache holds, found on the objects
+    themselves (not through memory()): the group's own tensors but the
+    cache's rows and state, the slot index's, the victim orders' and their
+    entries' segments."""
+    tensors = [t for name, t in vars(group).items()
+               if isinstance(t, torch.Tensor) and name not in _NOT_PER_SLOT | {"cache_rows", "cache_state"}]
+    for part in (group.slot_index, group.victims, group.least_used):
+        if part is not None:
+            tensors += [t for name, t in vars(part).items() if isinstance(t, torch.Tensor) and name not in _NOT_PER_SLOT]
+            tensors += [seg for segments in getattr(part, "_buckets", {}).values() for seg in segments]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @pytest.mark.parametrize("policy,lookahead,precision", [("lru", False, "int8"), ("lru", True, "fp32")])
 def test_the_row_map_and_victim_order_cost_at_most_32_bytes_a_slot(policy, lookahead, precision):
     """The index cost about 85 bytes a slot, more than an fp32 cache row of
     dim 16 (issue 27): the row -> slot map (int32 keys and slots in 2 buckets
     a slot) and the victim order (int32 entries, its scratch), measured on
-    their tensors at the most the order held while batches churned the cache."""
+    their tensors at the most the order held while batches churned the cache.
+    The whole index (item 9): the slot metadata beside them (row, score, free
+    stack, the room search's scratch) cost 37 bytes a slot in int64s, 64 in
+    all; in int32s (a slot's row as the slot index keys it) 17, about 44 in
+    all. memory()'s index line is every index tensor the cache holds, the
+    victim order included (it was left out)."""
     group = _group(policy, lookahead, precision)
     assert group.slot_index.keys.dtype == torch.int32  # 200,000 rows: keys fit int32
     _warm_up(group)
     order_peak = group.victims.nbytes()
+    index_peak = 0
     for plan in _plans(120):
         group.prepare(plan)
         group.release(plan)
         order_peak = max(order_peak, group.victims.nbytes())
+        held = _held_index_bytes(group)
+        assert sum(n for _, what, n in group.memory() if what == "index") == held
+        index_peak = max(index_peak, held)
     assert group.stats()["rows_evicted"] > 0
     per_slot = (group.slot_index.nbytes() + order_peak) / SLOTS
     assert group.slot_index.nbytes() == 16 * SLOTS
     assert per_slot <= 32, f"{per_slot:.1f} bytes a slot"
+    assert index_peak / SLOTS <= 45, f"the whole index: {index_peak / SLOTS:.1f} bytes a slot"
+
+
+def _small_group(policy: str = "lru") -> CachedGroup:
+    spec = TableSpec("t", 3000, 4)
+    optimizer = RowOptimizer("sgd", 0.1)
+    store = RowStore(3000, 4, optimizer.initial_state(3000, torch.device("cpu")), "int8")
+    build_initial_rows([spec], 0, store.write_initial, into=store.initial_view)
+    return CachedGroup(tables=[spec], feature_tables=["t"], store=store, optimizer=optimizer, device=torch.device("cpu"),
+                       cache_slots=300, policy=policy, lookahead=False, window=1, admit_all=True, store_tier="host",
+                       evict_chunk=8)
+
+
+def test_scores_past_int32_widen_and_evict_as_before():
+    """int32 scores hold a clock below 2**31: past it they widen to int64 in
+    place, so a cache whose clock starts just below 2**31 evicts exactly the
+    slots of one whose clock starts at 0 (LRU compares scores only), and its
+    snapshot restores the widened scores; an int64 snapshot (before issue 27
+    item 9) restores the same cache as the int32 one it equals."""
+    start = 2**31 - 5
+    plain, shifted = _small_group(), _small_group()
+    shifted.clock = start
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(12):  # the clock passes 2**31 - 1 at the 5th
+        ids = (torch.rand(120, generator=gen) ** 2 * 3000).long()
+        a, b = _plan(ids), _plan(ids)
+        plain.prepare(a)
+        shifted.prepare(b)
+        assert torch.equal(a.slots, b.slots)
+        plain.release(a)
+        shifted.release(b)
+        assert torch.equal(plain.row_of_slot, shifted.row_of_slot)
+    resident = plain.row_of_slot >= 0
+    assert plain.score.dtype == torch.int32 and shifted.score.dtype == torch.int64
+    assert torch.equal(shifted.score[resident], plain.score[resident].to(torch.int64) + start)
+    assert plain.stats()["rows_evicted"] > 0
+    restored = _small_group()
+    assert restored.load_cache_snapshot(shifted.cache_snapshot(), shifted.prepared)
+    assert restored.score.dtype == torch.int64 and torch.equal(restored.score, shifted.score)
+    saved = plain.cache_snapshot()
+    old_format = {**saved, **{k: saved[k].to(torch.int64) for k in ("row_of_slot", "score", "free_slots")}}
+    restored = _small_group()
+    assert restored.load_cache_snapshot(old_format, plain.prepared)
+    for name in ("row_of_slot", "score", "free_slots", "dirty"):
+        assert torch.equal(getattr(restored, name), getattr(plain, name)), name
+    assert restored.row_of_slot.dtype == torch.int32

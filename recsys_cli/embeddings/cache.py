@@ -116,7 +116,7 @@ import torch
 
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.plan import Fill, LookupPlan, RowSources
-from recsys_cli.embeddings.slot_index import SlotIndex
+from recsys_cli.embeddings.slot_index import SlotIndex, key_dtype
 from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
 from recsys_cli.errors import UserError
@@ -157,7 +157,8 @@ def _weak(method):
     return lambda slots: ref()(slots)
 
 
-_UNSET = torch.iinfo(torch.int64).max
+_UNSET = torch.iinfo(torch.int32).max
+_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class _Protection:
@@ -168,29 +169,41 @@ class _Protection:
     order: they only mark slots in the victim search).
 
     Without a sort (a sort of the window's few thousand entries cost most of
-    a prepare's room search): every entry's code, (age << 32) | position with
-    age = index - holder, is min-scattered into `scratch` (one int64 per
-    cache slot, _UNSET between calls, reset here at the entries touched), and
-    the entry that finds its own code there is its slot's latest holding.
+    a prepare's room search): every entry's age = index - holder is
+    min-scattered into `scratch` (one int32 per cache slot, _UNSET between
+    calls, reset here at the entries touched), and the entries that find
+    their own age there hold their slot latest; of those, the first position
+    per slot is kept by a second min-scatter over the few that remain. That
+    is the entry with the least (age, position), as one scatter of the int64
+    code (age << 32) | position chose before, at half the scratch (issue 27
+    item 9; ages are below 2**31: at most the batches in the history).
     Resident slots are counted by age, so a window's count is a prefix sum."""
 
     def __init__(self, index: int, hits: torch.Tensor, history, row_of_slot: torch.Tensor,
                  scratch: torch.Tensor | None = None) -> None:
-        scratch = torch.full(row_of_slot.shape, _UNSET, dtype=torch.int64) if scratch is None else scratch
+        scratch = torch.full(row_of_slot.shape, _UNSET, dtype=torch.int32) if scratch is None else scratch
         slots = torch.cat([hits, *(slots for _, slots, _ in history)])
-        age = torch.cat([torch.zeros(hits.numel(), dtype=torch.int64),
-                         *(torch.full((held.numel(),), index - batch, dtype=torch.int64) for batch, held, _ in history)])
-        code = (age << 32) | torch.arange(slots.numel())
-        scratch.scatter_reduce_(0, slots, code, "amin")
-        latest_at = torch.nonzero(scratch.index_select(0, slots) == code).flatten()
-        scratch.index_fill_(0, slots, _UNSET)
+        age = torch.cat([torch.zeros(hits.numel(), dtype=torch.int32),
+                         *(torch.full((held.numel(),), index - batch, dtype=torch.int32) for batch, held, _ in history)])
+        latest_at = self._least(scratch, slots, age)
+        first = self._least(scratch, slots.index_select(0, latest_at), torch.arange(latest_at.numel(), dtype=torch.int32))
+        latest_at = latest_at.index_select(0, first)
         self.index = index
         self.slots = slots.index_select(0, latest_at)
-        age = age.index_select(0, latest_at)
+        age = age.index_select(0, latest_at).to(torch.int64)
         self.latest = index - age
         # resident_within[a]: resident slots whose latest holder is at most a batches old.
         oldest = history[0][0] if history else index
         self.resident_within = torch.bincount(age[row_of_slot[self.slots] >= 0], minlength=index - oldest + 1).cumsum(0)
+
+    @staticmethod
+    def _least(scratch: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Positions of the entries whose int32 value is the least of their
+        slot's (ties: all of them), through `scratch`, left all _UNSET again."""
+        scratch.scatter_reduce_(0, slots, values, "amin")
+        least = torch.nonzero(scratch.index_select(0, slots) == values).flatten()
+        scratch.index_fill_(0, slots, _UNSET)
+        return least
 
     def slots_from(self, first: int) -> torch.Tensor:
         return self.slots[self.latest >= first]
@@ -224,19 +237,28 @@ class CachedGroup(TableGroup):
         self.admit_all = admit_all
         self.capacity = cache_slots
         self.evict_chunk = evict_chunk or max(1, cache_slots // 32)
-        self.debug = DEBUG
+        self.inflight = 0  # plans pinned and not yet released
         dev = self.device
         self.cache_rows = torch.zeros(cache_slots, self.dim, device=dev)
         self.cache_state = torch.zeros(cache_slots, self.store.state_width, device=dev)
         # row -> slot for resident rows only: a hash map sized to the cache, not the table.
         self.slot_index = SlotIndex(cache_slots, max_key=self.num_rows - 1)  # int32 keys below 2**31 rows
-        self.row_of_slot = torch.full((cache_slots,), -1, dtype=torch.int64)
-        self.pins = torch.zeros(cache_slots, dtype=torch.int32)
+        # Per-slot metadata in the narrowest dtype that holds it (issue 27
+        # item 9: it cost 37 bytes a slot, more than the row -> slot map):
+        # a slot's row as the slot index keys it, int32 below 2**31 - 2 rows,
+        # int64 for a fused group past that (its row ids need it); slots
+        # (free stack, scratch) are int32, as a cache has < 2**29 slots
+        # (SlotIndex's limit). Reads that leave the cache widen to int64 (_rows).
+        self.row_of_slot = torch.full((cache_slots,), -1, dtype=key_dtype(self.num_rows - 1))
+        self.pins: torch.Tensor | None = None  # debug runs only (the `debug` property)
+        self.debug = DEBUG
         self.dirty = torch.zeros(cache_slots, dtype=torch.bool)
-        self.score = torch.zeros(cache_slots, dtype=torch.int64)  # lru: last use clock; lfu: uses
-        self._protection_scratch = torch.full((cache_slots,), _UNSET, dtype=torch.int64)  # _Protection's, between calls all _UNSET
+        # lru: the clock of the last use; lfu: uses. Both are at most the
+        # clock, so int32 until the clock passes 2**31 - 1 (_tick widens it then).
+        self.score = torch.zeros(cache_slots, dtype=torch.int32)
+        self._protection_scratch = torch.full((cache_slots,), _UNSET, dtype=torch.int32)  # _Protection's, between calls all _UNSET
         # A stack of free slots: the top `num_free` entries.
-        self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int64)
+        self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int32)
         self.num_free = cache_slots
         # LFU admission needs a count for rows that are not resident (LRU
         # admits every miss it has room for).
@@ -254,7 +276,6 @@ class CachedGroup(TableGroup):
         self.history: collections.deque[tuple[int, torch.Tensor, torch.Tensor]] = collections.deque()
         self.row_hold: RowHold | None = None  # a strategy's (hold): then batches complete by complete()
         self.last_window = self.window
-        self.inflight = 0  # plans pinned and not yet released
         self.moving = False  # a prepare() is reading or writing the store, lock released
         self.cond = threading.Condition()
         self.stop = threading.Event()
@@ -262,11 +283,40 @@ class CachedGroup(TableGroup):
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
         self.use_runtime(runtime_for(dev), side_stream=dev.type == "cuda" and lookahead)
 
+    @property
+    def debug(self) -> bool:
+        """Whether the invariants are asserted as the cache runs (RECSYS_DEBUG=1, or set by a test)."""
+        return self.pins is not None
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        """Debug runs count each slot's pins (the plans in flight that hold
+        it) to assert that no victim is pinned; nothing else reads them, so
+        other runs keep no pins (4 bytes a slot, issue 27 item 9). The count
+        starts at zero, so it is switched with no batch in flight."""
+        if bool(on) == (self.pins is not None):
+            return
+        if self.inflight:
+            raise RuntimeError("debug checks are switched on or off with no batch in flight")
+        self.pins = torch.zeros(self.capacity, dtype=torch.int32) if on else None
+
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The int64 rows of `slots` (-1: none), for the store and other callers."""
+        return self.row_of_slot[slots].to(torch.int64)
+
+    def _tick(self) -> None:
+        """Advance the clock. Scores are at most the clock (lru: a clock; lfu:
+        at most one use a prepare), so past 2**31 - 1 they are widened to
+        int64 in place: the same values, so the same order and victims."""
+        self.clock += 1
+        if self.clock > _INT32_MAX and self.score.dtype != torch.int64:
+            self.score = self.score.to(torch.int64)
+
     def _score_of(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.where(self.row_of_slot[slots] >= 0, self.score[slots], -1)
 
     def _uses_of(self, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.row_of_slot[slots]
+        rows = self._rows(slots)
         return torch.where(rows >= 0, self.row_uses[rows.clamp(min=0)].to(torch.int64), -1)
 
     def use_runtime(self, runtime, side_stream: bool = True) -> None:
@@ -368,7 +418,7 @@ class CachedGroup(TableGroup):
             if need > self.num_free:
                 leaving = self._evict(need - self.num_free, protected, available)
             self.num_free -= need
-            new_slots = self.free_slots[self.num_free : self.num_free + need].clone()
+            new_slots = self.free_slots[self.num_free : self.num_free + need].to(torch.int64)  # a copy
             arriving = misses[admitted]
             if self.debug:
                 assert not bool(self.slot_index.contains(arriving).any()), "loading a row that already has a slot"
@@ -408,9 +458,10 @@ class CachedGroup(TableGroup):
             miss_slots[admitted] = new_slots
             slots[~hit] = miss_slots
             resident = slots >= 0
-            self.pins[slots[resident]] += 1
-            self.clock += 1
             held = slots[resident]
+            if self.pins is not None:
+                self.pins[held] += 1
+            self._tick()
             if self.policy == "lru":
                 self.score[held] = self.clock
                 self.victims.push(held, self.clock)
@@ -465,16 +516,17 @@ class CachedGroup(TableGroup):
                 rows = plan.unique[fill.loaded]
                 previous = self.slot_index.lookup(rows)
                 self.row_of_slot[previous[previous >= 0]] = -1
-                old = self.row_of_slot[target]
+                old = self._rows(target)
                 self.slot_index.remove(torch.cat([rows[previous >= 0], old[old >= 0]]))
                 dev = self._pinned_to_device(target)
                 values = self._pinned_to_device(values)
                 self.cache_rows.index_copy_(0, dev, values[:, : self.dim])
                 self.cache_state.index_copy_(0, dev, values[:, self.dim :])
-                self.row_of_slot[target] = rows
+                self.row_of_slot[target] = rows.to(self.row_of_slot.dtype)
                 self.slot_index.insert(rows, target)
                 self.counters["rows_loaded"] += n_load
-            self.pins[slots] += 1
+            if self.pins is not None:
+                self.pins[slots] += 1
             self.inflight += 1
             plan.lookup_counts = (slots.numel() - n_load, n_load, 0)
         plan.slots = slots
@@ -597,7 +649,7 @@ class CachedGroup(TableGroup):
         victims = torch.sort(self.victims.smallest(count, protected)).values
         if self.debug:
             assert victims.numel() == count, "the victim order lost slots"
-            assert bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
+            assert self.pins is not None and bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
         leaving = self._write_back(victims[self.dirty[victims]])
         self.slot_index.remove(self.row_of_slot[victims])
         self.row_of_slot[victims] = -1
@@ -630,7 +682,7 @@ class CachedGroup(TableGroup):
         self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
             self.counters["bytes_to_host"] += rows.numel() * 4 + state.numel() * 4
-        return copied, self._to_store_device(self.row_of_slot[slots]), rows, state
+        return copied, self._to_store_device(self._rows(slots)), rows, state
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the host (as it is on CPU; a synchronous, counted copy from a device)."""
@@ -660,7 +712,7 @@ class CachedGroup(TableGroup):
             self.cache_state.index_copy_(0, dev_slots, self._to_device(state, staging[1]))
             self._record_fill()  # before the slot map below makes the rows readable
         self.slot_index.insert(rows, slots)
-        self.row_of_slot[slots] = rows
+        self.row_of_slot[slots] = rows.to(self.row_of_slot.dtype)  # int32 below 2**31 - 2 rows (key_dtype)
         self.dirty[slots] = False
         self.counters["rows_loaded"] += rows.numel()
         if self.store_tier == "host":
@@ -751,8 +803,8 @@ class CachedGroup(TableGroup):
             return
         self._used()  # every read and write of the plan's slots is enqueued before this
         with self.cond:
-            resident = plan.slots[plan.slots >= 0]
-            self.pins[resident] -= 1
+            if self.pins is not None:
+                self.pins[plan.slots[plan.slots >= 0]] -= 1
             self.inflight -= 1
             hits, misses, not_admitted = plan.lookup_counts or (0, 0, 0)
             plan.lookup_counts = None
@@ -803,7 +855,7 @@ class CachedGroup(TableGroup):
         with self.cond:  # a disk store asks when its checkpoint writes the table
             self._settled()
             slots = torch.nonzero(self.dirty).flatten()
-            rows = self.row_of_slot[slots]
+            rows = self._rows(slots)
             inside = (rows >= lo) & (rows < hi)
             slots, rows = slots[inside], rows[inside]
             if rows.numel() == 0:
@@ -867,7 +919,9 @@ class CachedGroup(TableGroup):
             resident = torch.nonzero(self.row_of_slot >= 0).flatten()
             self.slot_index.insert(self.row_of_slot[resident], resident)
             self.dirty.copy_(saved["dirty"])
-            self.score.copy_(saved["score"])
+            if saved["clock"] > _INT32_MAX:  # scores past int32, as _tick widened them in the saved run
+                self.score = self.score.to(torch.int64)
+            self.score.copy_(saved["score"])  # a checkpoint's int64 (before issue 27 item 9) or int32: the same values
             self.free_slots.copy_(saved["free_slots"])
             self.num_free, self.clock = saved["num_free"], saved["clock"]
             self.prepared, self.completed = saved["prepared"], saved["completed"]
@@ -892,7 +946,7 @@ class CachedGroup(TableGroup):
             self.row_of_slot.fill_(-1)
             self.dirty.zero_()
             self.score.zero_()
-            self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64)
+            self.free_slots = torch.arange(self.capacity - 1, -1, -1, dtype=torch.int32)
             self.num_free = self.capacity
             self.clock = 0
             self.victims.clear()
@@ -917,10 +971,12 @@ class CachedGroup(TableGroup):
 
     def memory(self) -> list[tuple[str, str, int]]:
         cache = [("device", "cache", t.numel() * t.element_size()) for t in (self.cache_rows, self.cache_state)]
-        index = [self.row_of_slot, self.pins, self.dirty, self.score, self.free_slots, self._protection_scratch]
-        if self.row_uses is not None:
-            index.append(self.row_uses)
-        index_bytes = self.slot_index.nbytes() + sum(t.numel() * t.element_size() for t in index)
+        # Every index tensor this cache holds now: the victim orders' entries
+        # and scratch too (their entries vary: none when the cache is built).
+        index = [self.row_of_slot, self.dirty, self.score, self.free_slots, self._protection_scratch]
+        index += [t for t in (self.pins, self.row_uses) if t is not None]
+        orders = sum(order.nbytes() for order in (self.victims, self.least_used) if order is not None)
+        index_bytes = self.slot_index.nbytes() + orders + sum(t.numel() * t.element_size() for t in index)
         return [*self.store.memory(self.store_tier), *cache, ("host", "index", index_bytes)]
 
     def stats(self) -> dict:

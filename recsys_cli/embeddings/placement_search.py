@@ -63,6 +63,7 @@ from typing import Iterable
 import numpy as np
 
 from recsys_cli.embeddings.slot_index import index_bytes as slot_map_bytes
+from recsys_cli.embeddings.slot_index import key_bytes
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
@@ -79,16 +80,20 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 # Host bytes of a cache's index (CachedGroup), all per slot (a lookahead
 # cache has no LFU admission, so no per-row row_uses): the slot index (a hash
-# map sized to the cache), row_of_slot (int64), pins (int32), dirty (bool),
-# score (int64), free_slots (int64), the room search's scratch (int64, _Protection).
+# map sized to the cache), row_of_slot (the slot index's key dtype: int32
+# below 2**31 rows), dirty (bool), score (int32), free_slots (int32), the
+# room search's scratch (int32, _Protection), the victim order's scratch
+# (6 bytes, slot_order.py). Not planned: the victim order's entries (none
+# when the cache is built, at most 8 bytes a slot and a batch later) and
+# debug runs' pins (int32).
 INDEX_BYTES_PER_ROW = 0
-SLOT_METADATA_BYTES = 8 + 4 + 1 + 8 + 8 + 8
+SLOT_METADATA_BYTES = 1 + 4 + 4 + 4 + 6
 
 
 def cache_index_bytes(slots: int, num_rows: int) -> int:
     """A cache index's host bytes: `slots` slots in front of a table of
-    `num_rows` rows (the slot index holds int32 keys below 2**31 rows)."""
-    return slot_index_bytes(slots, num_rows) + slots * SLOT_METADATA_BYTES
+    `num_rows` rows (int32 keys and rows below 2**31 rows)."""
+    return slot_index_bytes(slots, num_rows) + slots * (key_bytes(num_rows - 1) + SLOT_METADATA_BYTES)
 # Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
 HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
 

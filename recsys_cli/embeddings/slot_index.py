@@ -56,10 +56,15 @@ def key_dtype(max_key: int | None) -> torch.dtype:
     return torch.int32 if max_key is not None and max_key < INT32_KEYS_BELOW else torch.int64
 
 
+def key_bytes(max_key: int | None) -> int:
+    """Bytes of one key of at most max_key (key_dtype's size)."""
+    return 4 if key_dtype(max_key) == torch.int32 else 8
+
+
 def index_bytes(capacity: int, max_key: int | None = None) -> int:
     """Bytes of a SlotIndex of `capacity` keys of at most `max_key` (None: any int64):
     per bucket a key and an int32 value."""
-    return num_buckets(capacity) * (torch.empty(0, dtype=key_dtype(max_key)).element_size() + 4)
+    return num_buckets(capacity) * (key_bytes(max_key) + 4)
 
 
 class SlotIndex:

@@ -40,7 +40,7 @@ _SLOT = torch.int32  # entries and scratch positions: slots < 2**31
 
 class SlotOrder:
     def __init__(self, capacity: int, current: Callable[[torch.Tensor], torch.Tensor], compact_at: int = 4) -> None:
-        """current(slots) -> int64 keys the slots have now (-1: no row)."""
+        """current(slots) -> integer keys the slots have now (-1: no row)."""
         self.capacity = capacity
         self.current = current
         self.compact_at = compact_at

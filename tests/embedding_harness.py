@@ -100,7 +100,7 @@ def _jittered(items, rng: random.Random | None):
 def checkpoint_bytes(model, opt, step: int) -> bytes:
     """What the trainer's checkpoint holds of the embeddings and the dense model, as a file."""
     state = {"step": step, "model": model.state_dict(), "dense_optimizer": opt.state_dict(),
-             "tables": model.embeddings.table_state(), "caches": model.embeddings.cache_snapshot()}
+             "tables": model.embeddings.table_state(patch_beside=True), "caches": model.embeddings.cache_snapshot()}
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()

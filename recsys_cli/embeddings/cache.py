@@ -68,15 +68,17 @@ give how many slots may be evicted, and the victims come from SlotOrder
 (slot_order.py) in (score, slot) order, so a batch costs what it touches.
 
 Invariant 3, checkpoints do not perturb. cache_snapshot() and table_state()
-read a snapshot (the store, with dirty rows quantized into a copy for the
-file, plus the cache itself) and change nothing: no write-back, no dirty
-bit, no random draw. load_cache_snapshot() restores the cache exactly, so a
-resumed run continues with the same slots and the same fp32 values as the
-uninterrupted one. The store's own copy of a dirty row is stale and is never
-read (reads of resident rows go to the cache, and the row's write-back
-replaces it), so the snapshot does not carry it: after a resume the store
-holds the checkpoint's value for that row instead (the cached value, as the
-table snapshot encoded it), which nothing reads either.
+read a snapshot (the store as it is, and beside it the dirty rows quantized
+as a "patch" for readers without this cache, plus the cache itself) and
+change nothing: no write-back, no dirty bit, no random draw.
+load_cache_snapshot() restores the cache exactly, so a resumed run continues
+with the same slots and the same fp32 values as the uninterrupted one. The
+store's own copy of a dirty row is stale and is never read (reads of
+resident rows go to the cache, and the row's write-back replaces it); a
+resume that restores the cache loads the table as saved, stale copies and
+all, so its store equals the uninterrupted run's byte for byte; any other
+reader (predict, evaluate, export, init_from, a resume into another cache)
+puts the patch in.
 Checkpoints are taken with no batch in flight (the trainer pauses the
 prefetcher at checkpoint and evaluation steps).
 
@@ -844,12 +846,12 @@ class CachedGroup(TableGroup):
             return rows
 
     # --- whole tables ------------------------------------------------------------
-    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """The store's tables with every dirty resident row quantized into the
         copy (a snapshot: the live cache, store and dirty bits do not change)."""
         with self.cond:
             self._settled()
-            return super().table_state()
+            return super().table_state(patch_beside)
 
     def _snapshot_patch(self, lo: int, hi: int):
         with self.cond:  # a disk store asks when its checkpoint writes the table
@@ -901,11 +903,14 @@ class CachedGroup(TableGroup):
         """Whether `saved` (a snapshot, or a strategy's state with these keys) is of this cache."""
         return all(saved.get(k) == v for k, v in self.identity().items())
 
+    def restores_cache(self, saved: dict | None) -> bool:
+        return saved is not None and self.same_cache(saved)
+
     def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
         """Restore what cache_snapshot() saved (after load_table_state). False
         when it came from another cache (other size, kind or tables): then the
         cache starts empty at batch `step`."""
-        same = saved is not None and self.same_cache(saved)
+        same = self.restores_cache(saved)
         with self.cond:
             self.invalidate()
             self.prepared = self.completed = step

@@ -191,10 +191,12 @@ class EmbeddingBagCollection(nn.Module):
         return lines
 
     # --- whole tables --------------------------------------------------------
-    def table_state(self) -> dict[str, dict]:
+    def table_state(self, patch_beside: bool = False) -> dict[str, dict]:
+        """Every group's tables (TableGroup.table_state); patch_beside: a
+        checkpoint's form, the cache's dirty rows beside the tables, not copied in."""
         out: dict[str, dict] = {}
         for g in self.groups:
-            out.update(g.table_state())
+            out.update(g.table_state(patch_beside))
         return out
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
@@ -204,6 +206,12 @@ class EmbeddingBagCollection(nn.Module):
     def cache_snapshot(self) -> list[dict | None]:
         """Per group, what resumes its cache exactly (None for uncached groups)."""
         return [g.cache_snapshot() for g in self.groups]
+
+    def tables_with_restored_caches(self, saved: list | None) -> set[str]:
+        """The tables whose cache load_cache_snapshot(saved) restores exactly."""
+        saved = saved if saved is not None and len(saved) == len(self.groups) else [None] * len(self.groups)
+        return {t.name for g, s in zip(self.groups, saved)
+                if g.restores_cache(s) for t in g.tables}
 
     def load_cache_snapshot(self, saved: list | None, step: int) -> None:
         """After load_table_state: restore caches saved by the same placement;

@@ -41,7 +41,7 @@ import torch
 
 from recsys_cli.checksum import Checksum, check_end, check_size
 from recsys_cli.embeddings.disk_records import RecordCodec
-from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, decode_saved
+from recsys_cli.embeddings.quant import CONVERT_STEP, INIT_STEP, RoundingKey, decode_saved, patched_entry
 from recsys_cli.embeddings.table_init import TableSpec, init_rows
 from recsys_cli.errors import UserError
 
@@ -259,7 +259,7 @@ def materialize(saved):
     """A table entry as native tensors ({"precision", fields, "state"}): a
     disk table is read whole (base and deltas); others are returned as they are."""
     if not is_disk_table(saved):
-        return saved
+        return patched_entry(saved)
     layout = saved["disk"]
     codec = _codec(layout)
     records = torch.empty(layout["rows"], layout["record_bytes"], dtype=torch.uint8)

@@ -278,3 +278,26 @@ def decode_saved(saved: dict, dim: int) -> torch.Tensor:
     n = next(iter(rows.tensors().values())).shape[0]
     return rows.read(torch.arange(n))
 
+
+
+def patched_entry(saved: dict, in_place: bool = False) -> dict:
+    """A table entry with its "patch" (rows a cache held dirty: local ids
+    "rows", their encoded fields and state) put into its tensors. A
+    checkpoint saves a host table as views of the live store plus that
+    patch, so saving never copies the table (issue 27: a clone of every
+    low-precision table was the checkpoint's peak). in_place: the entry's
+    tensors are its own (just loaded from a file) and are patched where
+    they are; otherwise (a live snapshot: views of a store) the patched
+    fields are copied first."""
+    patch = saved.get("patch")
+    if patch is None:
+        return saved
+    out = {k: v for k, v in saved.items() if k != "patch"}
+    local = patch["rows"]
+    for name, values in patch.items():
+        if name == "rows":
+            continue
+        target = out[name] if in_place else out[name].clone()
+        target[local] = values.to(target.device)
+        out[name] = target
+    return out

@@ -135,20 +135,19 @@ class RowStore:
     def table_snapshot(self, spec, lo: int, hi: int, patch=None) -> dict:
         """Table `spec` (fused rows [lo, hi)) for a checkpoint, in native tensors:
         views of the store (torch.save writes their shared storage once, so a
-        checkpoint of large host tables does not double host memory), copied
-        only where `patch` (local ids, encoded rows, state: rows that live in a
-        cache; `patch` is the function that gives them) replaces rows."""
-        tensors = {k: v[lo:hi].cpu() for k, v in self.rows.tensors().items()}
-        tensors["state"] = self.state[lo:hi].cpu()
+        checkpoint of large host tables does not double host memory), and
+        beside them, never copied into them, the "patch" of rows that live in
+        a cache (`patch` is the function that gives their local ids, encoded
+        rows and state): readers put it in (quant.patched_entry, through
+        load_checkpoint or materialize), so a checkpoint's memory is the
+        cache's dirty rows, not a copy of the table."""
+        entry = {"precision": self.precision, **{k: v[lo:hi].cpu() for k, v in self.rows.tensors().items()}}
+        entry["state"] = self.state[lo:hi].cpu()
         patch = patch() if patch is not None else None
         if patch is not None:
             local, encoded, state = patch
-            for name in [*encoded, "state"]:
-                tensors[name] = tensors[name].clone()  # a view of the live store must not change
-            for name, t in encoded.items():
-                tensors[name][local] = t.cpu()
-            tensors["state"][local] = state.cpu()
-        return {"precision": self.precision, **tensors}
+            entry["patch"] = {"rows": local.cpu(), **{k: v.cpu() for k, v in encoded.items()}, "state": state.cpu()}
+        return entry
 
     def load_table(self, spec, lo: int, hi: int, saved: dict) -> None:
         """Load what table_snapshot wrote, from any placement (a disk checkpoint

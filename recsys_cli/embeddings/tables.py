@@ -21,6 +21,7 @@ import torch
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
+from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.embeddings.protocols import RowStoreProtocol
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec
@@ -77,7 +78,7 @@ class TableGroup(abc.ABC):
         """Current fp32 rows, no side effects (evaluation, checks)."""
 
     # --- whole-table access: checkpoints and reports -----------------------
-    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """Per table, the current rows in the store's native tensors (rows in
         their precision and the optimizer state), as the store snapshots them
         (RowStore.table_snapshot: views of a host store; a disk store: the rows
@@ -85,11 +86,15 @@ class TableGroup(abc.ABC):
         it changes nothing in the live run; rows that live elsewhere (a cache's
         dirty rows) are patched into the snapshot. Like the host store's
         views, a snapshot holds the run's current values only until the run
-        goes on: write it at once (the trainer's save is synchronous)."""
+        goes on: write it at once (the trainer's save is synchronous).
+        patch_beside: a host store's dirty rows come as the entry's "patch"
+        instead of a copy of the table with them put in (checkpoints: readers
+        put it in, quant.patched_entry)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for t in self.tables:
             lo, hi = self.row_offset[t.name], self.row_offset[t.name] + t.num_rows
-            out[t.name] = self.store.table_snapshot(t, lo, hi, functools.partial(self._snapshot_patch, lo, hi))
+            entry = self.store.table_snapshot(t, lo, hi, functools.partial(self._snapshot_patch, lo, hi))
+            out[t.name] = entry if patch_beside or not isinstance(entry, dict) else patched_entry(entry)
         return out
 
     def _snapshot_patch(self, lo: int, hi: int):
@@ -105,6 +110,10 @@ class TableGroup(abc.ABC):
 
     def load_cache_snapshot(self, saved: dict | None, step: int) -> bool:
         return saved is None
+
+    def restores_cache(self, saved: dict | None) -> bool:
+        """Whether load_cache_snapshot(saved) brings back a cache exactly (a group without one: never)."""
+        return False
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
         """Load what table_state wrote, from any placement (RowStore.load_table)."""
@@ -209,9 +218,9 @@ class DirectGroup(TableGroup):
             ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
         return self.runtime.to_device(self.store.rows.read(ids), self.device)
 
-    def table_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         self.flush()
-        return super().table_state()
+        return super().table_state(patch_beside)
 
     def load_table_state(self, tables: dict[str, dict]) -> None:
         self.flush()

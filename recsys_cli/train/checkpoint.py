@@ -30,6 +30,7 @@ import torch
 
 from recsys_cli.checksum import DamagedFile, HashingWriter, file_problem
 from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
+from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.errors import UserError, warn, write_error
 from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, record_path, write_record
 
@@ -256,18 +257,24 @@ def intact_before(path: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, keep_patches: bool = False) -> dict:
     """The checkpoint at `path`, its .pt checked against its record first
     (DamagedFile: one line naming it); a disk table's entry is given its
-    directory, where its files are checked as they are read."""
+    directory, where its files are checked as they are read. A host table's
+    "patch" (the rows its cache held dirty, saved beside it) is put in,
+    unless keep_patches (a resume, which restores the cache that holds them:
+    restore.py)."""
     verify_checkpoint_file(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
-    for table in (state.get("tables") or {}).values() if isinstance(state, dict) else ():
+    tables = (state.get("tables") or {}) if isinstance(state, dict) else {}
+    for name, table in tables.items():
         if is_disk_table(table):  # its files lie beside the checkpoint
             table["directory"] = str(Path(path).parent)
+        elif isinstance(table, dict) and not keep_patches:  # a cache's dirty rows, saved beside the table: put in (just loaded: in place)
+            tables[name] = patched_entry(table, in_place=True)
     return state
 
 

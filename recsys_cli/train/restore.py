@@ -80,7 +80,7 @@ def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
 
 
 def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
-    state = ckpt.load_checkpoint(path)
+    state = ckpt.load_checkpoint(path, keep_patches=True)
     if "config" in state:
         ckpt.check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
     expected = feature_sizes(data)
@@ -91,7 +91,14 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
         into.dense_optimizer.load_state_dict(state["dense_optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
         raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
-    into.embeddings.load_table_state(state["tables"])
+    # A table whose cache comes back exactly is loaded as saved, its dirty
+    # rows' stale values included (they stay in the cache, and nothing reads
+    # the store's copy of a resident row): the store then equals the
+    # uninterrupted run's byte for byte, so its later checkpoints do too.
+    # Any other table takes its patch (materialize puts it in).
+    restored = into.embeddings.tables_with_restored_caches(state.get("caches"))
+    into.embeddings.load_table_state({name: {k: v for k, v in t.items() if k != "patch"} if name in restored else t
+                                      for name, t in state["tables"].items()})
     into.embeddings.load_cache_snapshot(state.get("caches"), state["step"])
     torch.set_rng_state(state["torch_rng"])
     loss, steps = state["running_loss"] if "metrics" in state else (None, 0)

@@ -498,7 +498,7 @@ class Trainer:
             "samples": self.samples,
             "model": {k: v for k, v in self.model.state_dict().items()},
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "tables": self.embeddings.table_state(),  # a snapshot: the live cache and store do not change
+            "tables": self.embeddings.table_state(patch_beside=True),  # a snapshot: the live cache and store do not change
             "caches": self.embeddings.cache_snapshot(),  # slots and fp32 rows, so a resumed run continues exactly
             "strategy": self.strategy.state_dict(),  # its mode and process count; cache_avg's sync points
             "torch_rng": torch.get_rng_state(),

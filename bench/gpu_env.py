@@ -7,8 +7,8 @@ A GPU box typically has a Python whose torch is built for its CUDA, with
 numpy, pyarrow, rich, pytest and matplotlib, and no network. `wheels`
 (make gpu-wheels) puts into one folder every wheel the project needs beyond
 those (BOX_PACKAGES): the project's own dependencies from pyproject.toml, the
-ones they pull in, setuptools to install the project with, and PyYAML, which
-has compiled wheels, for every Python and Linux platform a box may have.
+ones they pull in, setuptools to install the project with, and the compiled
+ones (PyYAML, xxhash) for every Python and Linux platform a box may have.
 `install` (make gpu-check, run by the box's Python) checks that torch is
 >= 2.11, then makes a venv that sees the packages that Python sees
 (--system-site-packages; run from a venv, that venv's site-packages through a
@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MIN_TORCH = (2, 11)
 # What a GPU box brings with its torch; everything else comes from the wheel folder.
 BOX_PACKAGES = {"torch", "numpy", "pyarrow", "rich", "pytest", "matplotlib"}
-# PyYAML (omegaconf's) ships compiled wheels: one per Python and platform.
+# Compiled wheels, one per Python and platform: PyYAML (omegaconf's) and the
+# project's own xxhash (its requirement as pyproject.toml states it).
+COMPILED = {"pyyaml": "PyYAML>=5.1", "xxhash": None}
 PYTHON_VERSIONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux2014_aarch64")
 BUILD_REQUIREMENT = "setuptools>=68"  # pyproject.toml's build-system
@@ -75,10 +77,12 @@ def download_wheels(folder: Path, versions=PYTHON_VERSIONS, platforms=PLATFORMS)
     # source archive (antlr4-python3-runtime), so the box never builds one.
     subprocess.run([*pip, "wheel", "-q", "-w", str(folder), *project_requirements(), BUILD_REQUIREMENT],
                    check=True)
+    own = {_name(d): d for d in project_requirements()}
+    compiled = [own.get(name) or requirement for name, requirement in COMPILED.items() if own.get(name) or requirement]
     for version in versions:
         for platform in platforms:
             subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", version,
-                            "--implementation", "cp", "--platform", platform, "-d", str(folder), "PyYAML>=5.1"],
+                            "--implementation", "cp", "--platform", platform, "-d", str(folder), *compiled],
                            check=True)
     names = sorted(p.name for p in folder.iterdir())
     for unwanted in [n for n in names if _name(n.split("-")[0]) in BOX_PACKAGES]:  # pulled in as a dependency

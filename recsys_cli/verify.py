@@ -9,7 +9,7 @@ checks everything up front, e.g. after copying a dataset.)
 
 A run directory (its checkpoints/ folder) or a checkpoint directory: every
 file of every checkpoint in it (the .pt, each disk base and delta) must
-have the size and CRC-32 its record (step-N.files.json) holds.
+have the size and checksum its record (step-N.files.json) holds.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def verify_checkpoints(directory: Path) -> None:
     if found:
         more = f" ({len(found) - 1} more above)" if len(found) > 1 else ""
         raise UserError(f"{found[0]}{more}; {len(found)} problem(s) in {len(checkpoints)} checkpoint(s) of {directory}")
-    print(f"ok: {directory}: {len(checkpoints)} checkpoint(s), every file's size and crc32 match its record")
+    print(f"ok: {directory}: {len(checkpoints)} checkpoint(s), every file's size and checksum match its record")
 
 
 def run_verify(args: list[str]) -> None:

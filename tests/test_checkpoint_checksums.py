@@ -79,7 +79,7 @@ def test_resume_names_the_damaged_file_and_the_intact_older_checkpoint(run, tmp_
     with pytest.raises(UserError) as error:
         Trainer(cfg, run_dir=copy)
     message = str(error.value)
-    assert message.startswith(f"checkpoint file {path} is damaged: its crc32 is "), message
+    assert message.startswith(f"checkpoint file {path} is damaged: its xxh3_64 is "), message
     if kind == "base":  # step 3's base is step 6's too: nothing older is whole
         assert message.endswith(f"no older checkpoint in {ck} is intact"), message
     else:
@@ -96,8 +96,8 @@ def test_init_from_names_the_damaged_file(run, tmp_path, kind):
     copy, path = damaged_copy(run, tmp_path, kind)
     cfg = config(run[0] / "cache", dataset__path=str(run[1]), trainer__max_steps=2,
                  trainer__init_from=str(copy / "checkpoints"), placement__disk_path=str(tmp_path / "live"), **STEPS)
-    with pytest.raises(UserError, match=f"^checkpoint file {path} is damaged: its crc32 is [0-9a-f]{{8}}, its "
-                                        "checkpoint's record says [0-9a-f]{8}$"):
+    with pytest.raises(UserError, match=f"^checkpoint file {path} is damaged: its xxh3_64 is [0-9a-f]{{16}}, its "
+                                        "checkpoint's record says [0-9a-f]{16}$"):
         Trainer(cfg, run_dir=tmp_path / "new")
 
 
@@ -129,7 +129,42 @@ def test_the_intact_run_loads_and_verify_checks_every_checkpoint(run, tmp_path):
     assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {src / 'run' / 'checkpoints'}: 2 checkpoint(s)"), ok
     copy, path = damaged_copy(run, tmp_path, "delta")
     bad = recsys("verify", copy, cwd=tmp_path)
-    assert_user_error(bad, f"checkpoint file {path} is damaged: its crc32 is", "1 problem(s) in 2 checkpoint(s)")
+    assert_user_error(bad, f"checkpoint file {path} is damaged: its xxh3_64 is", "1 problem(s) in 2 checkpoint(s)")
     r = recsys("predict", f"checkpoint={copy}", f"input={data}", "split=val", f"output={tmp_path / 'p.csv'}",
                "device=cpu", "progress=false", cwd=tmp_path)
     assert_user_error(r, f"checkpoint file {path} is damaged")
+
+
+
+
+def as_crc32_records(run_dir: Path) -> None:
+    """Rewrite every record of a run as a run checkpointed before XXH3-64 wrote them: crc32 per file."""
+    import zlib
+
+    from recsys_cli.train.checkpoint_record import write_record
+
+    for pt in sorted((run_dir / "checkpoints").glob("step-*.pt")):
+        write_record(pt, {n: {"bytes": (pt.parent / n).stat().st_size,
+                              "crc32": f"{zlib.crc32((pt.parent / n).read_bytes()):08x}"} for n in read_record(pt)})
+
+
+@pytest.mark.parametrize("kind", ["pt", "delta"])
+def test_a_run_recorded_with_crc32_before_xxh3_is_still_checked(run, tmp_path, kind):
+    """Older records name crc32: an intact run still verifies and loads, and a
+    damaged file of it is still one line naming the file."""
+    from recsys_cli.inference import load_model
+    from recsys_cli.train.checkpoint_record import checkpoint_problems
+
+    src, data = run
+    intact = tmp_path / "intact"
+    shutil.copytree(src / "run", intact)
+    as_crc32_records(intact)
+    assert [checkpoint_problems(pt) for pt in sorted((intact / "checkpoints").glob("step-*.pt"))] == [[], []]
+    load_model(str(intact), device="cpu")
+    ck = intact / "checkpoints" / "step-00000006.pt"
+    path = ck if kind == "pt" else ck.parent / min(n for n in read_record(ck) if "/delta-" in n)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    (problem,) = checkpoint_problems(ck)
+    assert problem.startswith(f"checkpoint file {path} is damaged: its crc32 is "), problem

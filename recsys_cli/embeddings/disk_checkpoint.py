@@ -193,7 +193,7 @@ class _CheckedFile:
     def __init__(self, saved: dict, name: str) -> None:
         self.path = _path(saved, name)
         self.expected = saved["disk"].get("sums", {}).get(name)
-        self.checksum = Checksum()
+        self.checksum = Checksum.checking(self.expected)
 
     def __enter__(self):
         try:

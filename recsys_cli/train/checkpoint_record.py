@@ -2,7 +2,7 @@
 
 step-NNNNNNNN.files.json beside step-NNNNNNNN.pt names the .pt itself and
 every disk-table file (base, deltas) its tables need, with the size and
-CRC-32 (checksum.py) computed while each was written. It is renamed into
+XXH3-64 (checksum.py) computed while each was written. It is renamed into
 place before the .pt is, so a checkpoint in place always has its record.
 Every reader of a checkpoint checks the .pt against it (load_checkpoint),
 the disk files as it reads them (disk_checkpoint.py), and `recsys verify`
@@ -29,7 +29,7 @@ def record_path(checkpoint: Path) -> Path:
 
 
 def write_record(checkpoint: Path, files: dict[str, dict]) -> Path:
-    """Write the record of `checkpoint`: file name (relative to its directory) -> {bytes, crc32}."""
+    """Write the record of `checkpoint`: file name (relative to its directory) -> {bytes, xxh3_64}."""
     path = record_path(checkpoint)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -42,7 +42,7 @@ def write_record(checkpoint: Path, files: dict[str, dict]) -> Path:
 
 
 def read_record(checkpoint: Path) -> dict[str, dict | None] | None:
-    """name -> {bytes, crc32} (None for a file an old record names without a
+    """name -> {bytes, xxh3_64 (crc32 in older records)} (None for a file an old record names without a
     checksum); None when the checkpoint has no readable record."""
     try:
         data = json.loads(record_path(checkpoint).read_text())

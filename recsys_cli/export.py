@@ -18,7 +18,7 @@ binary search over the saved sorted values (0 for values without an id and
 for missing ones); hashing mode, 1 + value % (buckets - 1), 0 for missing;
 a dataset without raw values (synthetic) takes its ids as they are (missing
 or -1 -> 0). An fp32 artifact scores raw rows bit for bit like `recsys
-predict` on them at the same batch size (tested).
+predict` on them at the same batch size and thread count (tested).
 
 Tables are stored in `precision` (converted from the checkpoint's, by
 nearest rounding when going down): fp32 and fp16 rows, or int8 / int4 codes

@@ -40,3 +40,15 @@ def pytest_runtest_setup(item):
     else:
         os.environ[determinism.ENV] = _ENV_AT_START
     torch.use_deterministic_algorithms(exact or determinism.requested())
+
+
+@pytest.fixture
+def one_compute_thread():
+    """Score with one compute thread, as `recsys predict` and the trainer do on
+    two cores: a GEMM's sums, and so the last bits, depend on the thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,9 +19,18 @@ from recsys_cli.model.dlrm import DLRM
 from recsys_cli.model.linear import Linear, transposed_backward
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def compute_threads(request):
+    """One thread takes the transposed backward, more take nn.Linear's (linear.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("batch", [1, 7, 12, 16, 100, 128, 2048])
 @pytest.mark.parametrize("shape", [(13, 512), (367, 512), (512, 256), (100, 37)])
-def test_linear_matches_nn_linear_forward_and_backward(batch, shape):
+def test_linear_matches_nn_linear_forward_and_backward(batch, shape, compute_threads):
     n_in, n_out = shape
     torch.manual_seed(batch)
     ours = Linear(n_in, n_out)

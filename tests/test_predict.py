@@ -293,7 +293,7 @@ def test_raw_ids_map_like_the_vocabulary(trained, mode):
     assert (expected[~missing] > 0).mean() > (0.4 if mode == "vocabulary" else 0.99)
 
 
-def test_export_round_trip(trained, tmp_path):
+def test_export_round_trip(trained, tmp_path, one_compute_thread):
     from recsys_cli.export import ExportConfig, export, load_metadata
 
     dense, ids = val_inputs(trained)  # raw values: the artifact maps them itself

@@ -63,7 +63,7 @@ def test_the_default_lookahead_cache_fits_a_small_real_dataset(run):
     assert summary["cache"]["cache_slots"] == expected and summary["steps"] == 6
 
 
-def test_the_export_scores_raw_rows_like_predict(run):
+def test_the_export_scores_raw_rows_like_predict(run, one_compute_thread):
     """`recsys export`'s artifact on raw TSV rows (load + one call) == `recsys
     predict` on the same rows, bit for bit (fp32, one batch of the same size)."""
     import numpy as np

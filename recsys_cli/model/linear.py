@@ -8,7 +8,10 @@ below its peak (1.5x slower at batch 2048 for 367 -> 512). The transposed
 products (W^T g^T)^T and (x^T g)^T write along the wide dimension instead,
 and are the same dot products summed in the same order: the gradients are
 bit for bit those of nn.Linear (tests/test_model_speed.py checks it with
-torch.equal on the models' shapes, batches of 1 to 2048), only faster.
+torch.equal on the models' shapes, batches of 1 to 2048), only faster. That
+holds for one compute thread (the trainer's default on two cores): with more,
+MKL splits the reduction differently in the two layouts and the last bits
+differ (seen at batch 2048), so with more threads nn.Linear's backward runs.
 
 The module is an nn.Linear (same parameters, state_dict keys and
 initialisation), so checkpoints and every isinstance(nn.Linear) keep working.
@@ -62,10 +65,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only training steps on [batch >= MIN_ROWS, features] inputs on CPU
-        # (MKL) outside autocast take the custom backward; everything else
+        # (MKL) with one compute thread outside autocast take the custom backward; everything else
         # (evaluation, export, CUDA, small batches, layers of aligned width,
         # where the usual layout is as fast) is nn.Linear's own.
         if (self.transposed and torch.is_grad_enabled() and x.dim() == 2 and x.shape[0] >= MIN_ROWS
-                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
+                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and torch.get_num_threads() == 1):
             return _TransposedBackward.apply(x, self.weight, self.bias)
         return super().forward(x)

@@ -9,8 +9,9 @@ line naming the file.
 The checksum is XXH3-64 (the `xxhash` package, with the file's size): it
 guards against damage (flipped bits, a truncated or overwritten file), not
 against someone forging a file. It is the fastest well-kept hash at hand:
-on this project's machine 17,900 MiB/s against zlib's CRC-32 at 2,200,
-SHA-256 at 1,600 and BLAKE2b at 1,000 (BENCHMARKS.md, "Checkpoint checksums"),
+on this project's machine 13,000-15,600 MiB/s against zlib's CRC-32 at
+2,200, SHA-256 at 1,300-1,600 and BLAKE2b at 1,000 (BENCHMARKS.md,
+"Checkpoint checksums"),
 so hashing in line with the write adds a few per cent to it where CRC-32
 added a quarter of a .pt write and two thirds of a disk base's. A random
 change escapes it with probability 2^-64. Records written before it name

@@ -22,7 +22,7 @@ commands:
   report                table, CSV and plots of a run or sweep directory (recsys report DIR)
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
   evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
-  export                a torch.export inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4)
+  export                an inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4 format=pt2|module)
   verify                check a dataset's shards against its manifest, or a run's checkpoints (recsys verify DIR)
 
 `recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b

@@ -1,14 +1,33 @@
-"""`recsys export checkpoint=RUN_OR_FILE [precision=fp32|fp16|int8|int4] [output=model.pt2] [vocab=DIR]`
+"""`recsys export checkpoint=RUN_OR_FILE [precision=fp32|fp16|int8|int4] [format=pt2|module] [output=FILE] [vocab=DIR]`
 
-A self-contained inference artifact: one torch.export program (.pt2) that
-holds the MLPs, every table and the dataset's mapping of raw values to ids,
-so it scores raw Criteo fields, loadable with torch alone:
+An inference artifact that holds the MLPs, every table and the dataset's
+mapping of raw values to ids, so it scores raw Criteo fields. Two formats:
 
-    import torch
-    model = torch.export.load("model-int8.pt2").module()
+  format=pt2 (default; RUN/model-<precision>.pt2): one self-contained
+    torch.export program, loadable with torch alone and usable by
+    torch.export tooling (AOTInductor, ...):
+
+        import torch
+        model = torch.export.load("model-int8.pt2").module()
+
+  format=module (RUN/model-<precision>.scorer.pt): one torch.save file of
+    plain values and tensors (torch.load(weights_only=True) reads it; no
+    pickled code): the same metadata, what rebuilds the scoring module
+    (the DLRM's shapes, the tables in `precision`, the mapping) and its
+    state dict. The fastest to load (torch.export's reader is not
+    imported), but it needs recsys installed: the module is rebuilt from
+    recsys's own classes.
+
+`load_scorer` loads either (BENCHMARKS.md, "Export: seconds to load"):
+
+    from recsys_cli.export import load_scorer
+    model = load_scorer("model-int8.scorer.pt")  # or a .pt2
     p = model(dense, categorical)  # [B] click probabilities
     # dense: int64 [B, 13], I1..I13 as written (missing -> 0)
     # categorical: int64 [B, 26], C1..C26 as the uint32 their 8 hex digits spell (missing -> -1)
+
+Both score alike bit for bit (tested). load_scorer checks every record's
+CRC-32 first: a damaged file is an error naming it.
 
 `raw_inputs(lines)` turns TSV lines into those two tensors. Inside the
 program the dense values go through preprocessing's transform (log1p of
@@ -26,7 +45,8 @@ with one fp16 scale and bias per row (FBGEMM's fused inference rows: value =
 code * scale + bias; int4 packs two codes a byte). fp32 from an fp32 run
 scores bit for bit like the checkpoint. The program's metadata
 (`extra_files["recsys.json"]`) names the features, their vocabulary sizes,
-the precision, the mapping and the dataset vocabulary's fingerprint.
+the precision, the mapping and the dataset vocabulary's fingerprint;
+format=module carries the same dict (`load_metadata` reads either).
 """
 
 from __future__ import annotations
@@ -37,7 +57,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 from torch import nn
@@ -46,13 +66,17 @@ from recsys_cli.errors import UserError
 from recsys_cli.options import help_text, parse_options, require
 
 METADATA = "recsys.json"
+M = TypeVar("M", bound=nn.Module)
+SCORER_FORMAT = "recsys scorer 1"  # format=module's record
+FORMATS = {"pt2": ".pt2", "module": ".scorer.pt"}  # format -> the default output's suffix
 
 
 @dataclass
 class ExportConfig:
     checkpoint: Optional[str] = None
     precision: str = "fp32"  # fp32 | fp16 | int8 | int4
-    output: Optional[str] = None  # default: <run dir>/model-<precision>.pt2
+    format: str = "pt2"  # pt2: one torch.export program, torch alone loads it | module: fastest load, needs recsys
+    output: Optional[str] = None  # default: <run dir>/model-<precision>.pt2 (format=module: .scorer.pt)
     vocab: Optional[str] = None  # dataset whose vocabulary maps raw values (default: the training dataset's)
 
 
@@ -75,12 +99,18 @@ class RawIds(nn.Module):
     ids: torch.Tensor
     offsets: torch.Tensor
 
-    def __init__(self, mode: str, num_features: int, tables=None, hash_buckets: int | None = None) -> None:
+    def __init__(self, mode: str, num_features: int, tables=None, hash_buckets: int | None = None,
+                 buffers: dict[str, torch.Tensor] | None = None) -> None:
+        """vocabulary mode: from data_tools.vocab's `tables`, or `buffers`
+        (keys, ids, offsets) as a module-format artifact saved them."""
         super().__init__()
         self.mode = mode
         self.num_features = num_features
         self.hash_buckets = hash_buckets
-        if mode == "vocabulary":
+        if mode == "vocabulary" and buffers is not None:
+            for name in ("keys", "ids", "offsets"):
+                self.register_buffer(name, buffers[name])
+        elif mode == "vocabulary":
             import numpy as np
 
             keys = [np.asarray(t.values, dtype=np.int64) + (f << 32) for f, t in enumerate(tables)]
@@ -135,20 +165,30 @@ def raw_ids_of(loaded, vocab_dir: str | None) -> RawIds:
     return RawIds("vocabulary", num, vocabulary.tables)
 
 
-def export_program(loaded, raw_ids: RawIds) -> torch.export.ExportedProgram:
-    from torch.export import Dim
-
-    model = loaded.model
+def scoring_module(loaded, raw_ids: RawIds) -> ScoringModule:
+    """The checkpoint's model and the mapping as one inference module."""
     # A checkpoint's tables are views of one flat storage; saved as they are,
     # torch.export.save warns ("No complete tensor found in the group ...
-    # weights not on CPU") for each. Each table gets a storage of its own.
+    # weights not on CPU") for each, and torch.save would write the whole
+    # storage. Each table gets a storage of its own.
     tables = loaded.tables
     for name, buf in list(tables.named_buffers()):
         if buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
             setattr(tables, name, buf.clone())
-    module = ScoringModule(model, raw_ids).eval()
-    for p in module.parameters():  # an inference program: no autograd graph on its outputs
+    return _inference(ScoringModule(loaded.model, raw_ids))
+
+
+def _inference(module: M) -> M:
+    module.eval()
+    for p in module.parameters():  # an inference module: no autograd graph on its outputs
         p.requires_grad_(False)
+    return module
+
+
+def export_program(loaded, raw_ids: RawIds) -> torch.export.ExportedProgram:
+    from torch.export import Dim
+
+    module = scoring_module(loaded, raw_ids)
     num_dense = loaded.model.bottom[0].in_features
     example = (torch.zeros(4, num_dense, dtype=torch.int64),
                torch.zeros(4, len(loaded.tables.features), dtype=torch.int64))
@@ -199,6 +239,8 @@ def export(cfg: ExportConfig, console=None) -> dict:
     require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
     if cfg.precision not in INFERENCE_PRECISIONS:
         raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
+    if cfg.format not in FORMATS:
+        raise UserError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}")
     with _phase(console, f"export: loading {cfg.checkpoint}", f"export: loaded {cfg.checkpoint}"):
         loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
     multi_hot = _multi_hot(loaded)
@@ -206,12 +248,14 @@ def export(cfg: ExportConfig, console=None) -> dict:
         raise UserError(f"export scores one-hot features only; {loaded.checkpoint} has multi-hot features "
                         f"{', '.join(multi_hot)}")
     run_dir = loaded.checkpoint.parent.parent if loaded.checkpoint.parent.name == "checkpoints" else loaded.checkpoint.parent
-    output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}.pt2"
+    suffix = FORMATS[cfg.format]
+    output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}{suffix}"
     if output.is_dir():
-        raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model.pt2)")
+        raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model{suffix})")
     raw_ids = raw_ids_of(loaded, cfg.vocab)
-    with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
-        program = export_program(loaded, raw_ids)
+    if cfg.format == "pt2":
+        with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
+            program = export_program(loaded, raw_ids)
     meta = {
         "format": "recsys export 2",
         "inputs": {"dense": "int64 [B, 13]: I1..I13 as written, missing -> 0",
@@ -235,20 +279,43 @@ def export(cfg: ExportConfig, console=None) -> dict:
     # folder is named after the file), then renamed into place
     tmp_dir = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     tmp_dir.mkdir(exist_ok=True)
-    tmp = tmp_dir / (output.stem + ".pt2")
+    tmp = tmp_dir / (output.stem + ".pt2" if cfg.format == "pt2" else output.name)
     try:
         with _phase(console, f"export: writing {output}", f"export: wrote {output}"):
-            torch.export.save(program, tmp, extra_files={METADATA: json.dumps(meta)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            if cfg.format == "pt2":
+                torch.export.save(program, tmp, extra_files={METADATA: json.dumps(meta)})
+            else:
+                torch.save(scorer_record(loaded, raw_ids, meta), tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
         tmp_dir.rmdir()
     size = output.stat().st_size
+    how = ("torch.export.load(path).module()" if cfg.format == "pt2"
+           else "recsys_cli.export.load_scorer(path)")
     console.print(f"[bold]export[/]: {output} ({size / 2**20:,.2f} MiB; tables {cfg.precision} "
-                  f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with torch.export.load(path).module()")
+                  f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with {how}")
     return {"output": str(output), "bytes": size, **meta}
+
+
+def scorer_record(loaded, raw_ids: RawIds, meta: dict) -> dict:
+    """format=module: what torch.save writes. Plain values and tensors only
+    (torch.load(weights_only=True) reads it; no pickled code): the
+    metadata, what rebuilds the ScoringModule from this package's classes,
+    and its state dict."""
+    from recsys_cli.inference import dlrm_spec
+
+    module = scoring_module(loaded, raw_ids)
+    return {
+        "format": SCORER_FORMAT,
+        "metadata": meta,
+        "dlrm": dlrm_spec(loaded.config["model"], int(loaded.model.bottom[0].in_features)),
+        "tables": loaded.tables.spec(),
+        "raw_ids": {"mode": raw_ids.mode, "num_features": raw_ids.num_features, "hash_buckets": raw_ids.hash_buckets},
+        "state_dict": dict(module.state_dict()),
+    }
 
 
 @contextlib.contextmanager
@@ -273,7 +340,82 @@ def _multi_hot(loaded) -> list[str]:
         return []
 
 
+def artifact_format(path: str | Path) -> str:
+    """"pt2" or "module", told from the file's contents after checking every
+    record's CRC-32 (both formats are zip archives that carry one per
+    record; torch's readers do not check them): a damaged, truncated or
+    foreign file is a UserError naming it."""
+    import zipfile
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"export artifact {path} " + ("is not a file" if path.exists() else "does not exist"))
+    what = "a recsys export artifact (.pt2 or format=module)"
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise UserError(f"{path} is damaged or not {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        ) from None
+    if bad is not None:
+        raise UserError(f"{path} is damaged: record {bad} fails its CRC-32")
+    if any(n.count("/") == 1 and n.endswith("/archive_format") for n in names):
+        return "pt2"
+    if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
+        return "module"
+    raise UserError(f"{path} is not {what}")
+
+
+def _read_scorer(path: Path) -> dict:
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's unpickler raises many kinds; the reason's first line names it
+        raise UserError(f"cannot read {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    if not isinstance(record, dict) or record.get("format") != SCORER_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise UserError(f"{path} is not a recsys scorer ({SCORER_FORMAT!r} expected, found {found!r})")
+    return record
+
+
+def load_scorer(path: str | Path) -> nn.Module:
+    """An artifact of either format as a module: `load_scorer(path)(dense,
+    categorical)` -> click probabilities [B]. A .pt2 goes through
+    torch.export.load(path).module(); format=module rebuilds ScoringModule
+    (this file's RawIds, inference.py's InferenceTables, the DLRM) from its
+    record, without importing torch.export's reader. Damaged or foreign
+    files: a one-line UserError naming the file."""
+    path = Path(path).expanduser()
+    if artifact_format(path) == "pt2":
+        try:
+            return torch.export.load(path).module()
+        except Exception as e:
+            raise UserError(f"cannot read {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    from recsys_cli.inference import InferenceTables, build_dlrm
+
+    record = _read_scorer(path)
+    try:
+        state = record["state_dict"]
+        table_prefix, raw_prefix = "dlrm.embeddings.", "raw_ids."
+        tables = InferenceTables.from_buffers(
+            record["tables"], {k[len(table_prefix):]: v for k, v in state.items() if k.startswith(table_prefix)})
+        r = record["raw_ids"]
+        raw_ids = RawIds(r["mode"], int(r["num_features"]), hash_buckets=r["hash_buckets"],
+                         buffers={k[len(raw_prefix):]: v for k, v in state.items() if k.startswith(raw_prefix)}
+                         if r["mode"] == "vocabulary" else None)
+        module = ScoringModule(build_dlrm(tables, record["dlrm"]), raw_ids)
+        module.load_state_dict(state, strict=True, assign=True)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path}: the scorer's record does not rebuild its model "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+    return _inference(module)
+
+
 def load_metadata(path: str | Path) -> dict:
+    """The artifact's metadata (either format)."""
+    path = Path(path).expanduser()
+    if artifact_format(path) == "module":
+        return _read_scorer(path)["metadata"]
     extra = {METADATA: ""}
     torch.export.load(path, extra_files=extra)
     return json.loads(extra[METADATA])

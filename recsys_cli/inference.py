@@ -121,6 +121,18 @@ class InferenceTables(nn.Module):
             parts.append(F.embedding_bag(positions, rows, offsets, mode="sum"))  # training's pooling order
         return torch.stack(parts, dim=1)
 
+    def spec(self) -> dict:
+        """What rebuilds these tables with from_buffers (plain values)."""
+        return {"features": list(self.features), "precision": self.precision, "dim": self.dim}
+
+    @classmethod
+    def from_buffers(cls, spec: dict, buffers: dict[str, torch.Tensor]) -> "InferenceTables":
+        """Tables of `spec` from their buffers as named in a state dict
+        (weights_0, or codes_0 + scale_bias_0, ...)."""
+        names = ("codes", "scale_bias") if spec["precision"].startswith("int") else ("weights",)
+        tables = [{n: buffers[f"{n}_{i}"] for n in names} for i in range(len(spec["features"]))]
+        return cls(spec["features"], tables, spec["precision"], int(spec["dim"]))
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
@@ -171,7 +183,6 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     converted to the lowest-bit one only when asked). table_device: where
     the tables live (default: the device, except tables trained in host
     memory, which stay on the host when the device is a GPU)."""
-    from recsys_cli.model.dlrm import DLRM
     from recsys_cli.embeddings.disk_checkpoint import materialize
     from recsys_cli.train import checkpoint as ckpt
     from recsys_cli.device import resolve_device
@@ -195,11 +206,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
         raise UserError(f"precision={precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
     tables = InferenceTables(features, [convert_table(s, precision) for s in saved], precision,
                              int(cfg["model"]["embedding_dim"]))
-    m = cfg["model"]
-    num_dense = int(state["model"]["bottom.0.weight"].shape[1])
-    # init="torch": the checkpoint's weights replace whatever the constructor draws
-    model = DLRM(num_dense, tables, list(m["bottom_mlp"]), list(m["top_mlp"]), m["interaction"], init="torch",
-                 dcn_layers=int(m.get("dcn_layers", 3)), dcn_rank=int(m.get("dcn_rank", 512)))
+    model = build_dlrm(tables, dlrm_spec(cfg["model"], int(state["model"]["bottom.0.weight"].shape[1])))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if not k.startswith("embeddings.")]
     if missing or unexpected:
@@ -215,6 +222,26 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     info = {k: v for k, v in state.items() if k not in ("model", "tables", "dense_optimizer", "generators",
                                                         "torch_rng")}
     return LoadedModel(model, tables, path, info, dev)
+
+
+def dlrm_spec(model_cfg, num_dense: int) -> dict:
+    """What rebuilds a run's DLRM around inference tables (plain values: an
+    export's module format saves it)."""
+    m = model_cfg
+    return {"num_dense": num_dense, "bottom_mlp": [int(x) for x in m["bottom_mlp"]],
+            "top_mlp": [int(x) for x in m["top_mlp"]], "interaction": str(m["interaction"]),
+            "dcn_layers": int(m.get("dcn_layers", 3)), "dcn_rank": int(m.get("dcn_rank", 512))}
+
+
+def build_dlrm(tables: InferenceTables, spec: dict) -> nn.Module:
+    """The DLRM of `spec` (dlrm_spec) over `tables`, its MLP weights to be
+    replaced by a checkpoint's. The constructor's initialisation (init="torch")
+    draws from a forked RNG: loading a model leaves torch's global RNG as it was."""
+    from recsys_cli.model.dlrm import DLRM
+
+    with torch.random.fork_rng(devices=[]):
+        return DLRM(spec["num_dense"], tables, list(spec["bottom_mlp"]), list(spec["top_mlp"]),
+                    spec["interaction"], init="torch", dcn_layers=spec["dcn_layers"], dcn_rank=spec["dcn_rank"])
 
 
 def find_run_checkpoint(location: str | Path) -> Path:

@@ -324,6 +324,90 @@ def test_export_round_trip(trained, tmp_path, one_compute_thread):
                      "int4": rows * (dim // 2 + 4)}
 
 
+def test_module_format_scores_like_the_pt2(trained, tmp_path, one_compute_thread):
+    """format=module (torch.save, rebuilt from recsys's classes) == the .pt2
+    program, bit for bit, fp32 and int8; load_scorer reads both formats, and
+    the metadata is the same dict."""
+    import zipfile
+
+    from recsys_cli.export import ExportConfig, export, load_metadata, load_scorer
+
+    dense, ids = val_inputs(trained)
+    for precision in ("fp32", "int8"):
+        pt2, mod = tmp_path / f"m-{precision}.pt2", tmp_path / f"m-{precision}.scorer.pt"
+        export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, output=str(pt2)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            r = export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, format="module",
+                                    output=str(mod)))
+        assert r["bytes"] == mod.stat().st_size and not list(tmp_path.glob(".*tmp*"))
+        torch.load(mod, weights_only=True)  # no pickled code
+        assert not any("archive_format" in n for n in zipfile.ZipFile(mod).namelist())
+        program = torch.export.load(str(pt2)).module()(dense, ids)
+        scorer = load_scorer(mod)
+        p = scorer(dense, ids)
+        assert p.dtype == torch.float32 and not p.requires_grad
+        assert torch.equal(p, program)
+        assert torch.equal(load_scorer(pt2)(dense, ids), program)
+        assert load_metadata(mod) == load_metadata(pt2)
+        if precision == "fp32":
+            assert torch.equal(p, torch.sigmoid(trained["logits"]))
+    # the default name says the format
+    r = export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module"))
+    assert Path(r["output"]) == trained["run"] / "model-int8.scorer.pt"
+    Path(r["output"]).unlink()
+    with pytest.raises(UserError, match="format='onnx' is not one of pt2, module"):
+        export(ExportConfig(checkpoint=str(trained["run"]), format="onnx"))
+
+
+def test_module_format_loads_without_torch_export_reader(trained, tmp_path):
+    """Loading and calling a format=module artifact imports neither torch's
+    export reader (torch._dynamo, torch._export.serde) nor hydra or pyarrow."""
+    import sys
+
+    from recsys_cli.export import ExportConfig, export
+
+    mod = tmp_path / "m.scorer.pt"
+    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module", output=str(mod)))
+    code = (
+        "import sys, torch\n"
+        "from recsys_cli.export import load_scorer\n"
+        "m = load_scorer(sys.argv[1])\n"
+        "p = m(torch.zeros(3, 13, dtype=torch.int64), torch.full((3, 26), -1, dtype=torch.int64))\n"
+        "assert p.shape == (3,)\n"
+        "print(sorted(n for n in ('torch._dynamo', 'torch._export.serde', 'hydra', 'omegaconf', 'pyarrow') "
+        "if n in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(mod)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_damaged_artifact_is_one_line(trained, tmp_path):
+    from recsys_cli.export import ExportConfig, export, load_metadata, load_scorer
+
+    mod, pt2 = tmp_path / "m.scorer.pt", tmp_path / "m.pt2"
+    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module", output=str(mod)))
+    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", output=str(pt2)))
+    flipped = bytearray(mod.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF  # inside a table: torch.load alone would read it silently
+    flipped_pt2 = bytearray(pt2.read_bytes())
+    flipped_pt2[len(flipped_pt2) // 2] ^= 0xFF
+    foreign = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    cases = {"flipped.scorer.pt": bytes(flipped), "flipped.pt2": bytes(flipped_pt2),
+             "short.scorer.pt": mod.read_bytes()[: mod.stat().st_size // 2], "text.pt2": b"not a model\n",
+             "other.pt": foreign.read_bytes()}
+    for name, data in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        for read in (load_scorer, load_metadata):
+            with pytest.raises(UserError) as e:
+                read(bad)
+            assert str(bad) in str(e.value) and len(str(e.value).splitlines()) == 1, (name, str(e.value))
+    with pytest.raises(UserError, match="does not exist"):
+        load_scorer(tmp_path / "missing.pt2")
+
+
 @pytest.mark.parametrize("placement,precision,interaction", [("lookahead", "int8", "dot"), ("uvm", "fp16", "dot"),
                                                              ("cache", "int4", "dot"), ("device", "fp32", "dcn")])
 def test_predict_any_placement_and_precision(trained, tmp_path, placement, precision, interaction):

@@ -18,6 +18,7 @@ from recsys_cli.data.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:  # data does not depend on embeddings at run time
     from recsys_cli.embeddings.plan import LookupPlan
+    from recsys_cli.embeddings.sharded import Route
 
 Move = Callable[[torch.Tensor], torch.Tensor]
 
@@ -32,6 +33,8 @@ class Batch:
     plans: list[LookupPlan] | None = None
     # int64 [3, F]: ids in the batch, ids looked up, distinct rows, per feature (the dedup statistics).
     id_counts: torch.Tensor | None = None
+    # A sharded run: the ids this rank sends each table's owner, then every rank's slice size (sharded.py).
+    route: Route | None = None
 
     @property
     def size(self) -> int:

@@ -144,7 +144,11 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         plans: list[LookupPlan] = batch.plans or self.plan_batch(batch).plans
-        stride = batch.size
+        return self.pool(plans, batch.size)
+
+    def pool(self, plans: list[LookupPlan], stride: int) -> torch.Tensor:
+        """Pooled [stride, F, D] of the plans' bags (a sharded run's owner pools
+        the bags routed to it, every rank's slice: sharded.py)."""
         record = torch.is_grad_enabled()
         parts = []
         for group, plan in zip(self.groups, plans):

@@ -239,11 +239,12 @@ def _base(saved: dict, codec):
     R, n = layout["record_bytes"], layout["rows"]
     step = max(1, CHUNK_BYTES // R)
     if layout["base"] is None:
-        spec = TableSpec(layout["table"], n, layout["dim"])
+        first = layout.get("first_row", 0)  # a shard of a table (sharding.py): keyed and drawn as the table's rows
+        spec = TableSpec(layout["table"], n, layout["dim"], first, layout.get("table_rows"))
         for a in range(0, n, step):
             b = min(a + step, n)
             local = torch.arange(a, b)
-            key = RoundingKey(layout["seed"], torch.full_like(local, layout["table_number"]), local, INIT_STEP)
+            key = RoundingKey(layout["seed"], torch.full_like(local, layout["table_number"]), local + first, INIT_STEP)
             encoded = codec.rows.encode(init_rows(spec, a, b, layout["seed"]), key)
             state = torch.full((b - a, layout["state_width"]), layout["initial_state"], dtype=torch.float32)
             yield a, codec.pack(encoded, state)

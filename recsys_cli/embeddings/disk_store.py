@@ -123,6 +123,7 @@ class DiskRowStore:
         sizes = torch.tensor([t.num_rows for t in tables], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
         self._table_number = torch.tensor(table_numbers, dtype=torch.int64)
+        self._table_base = self._table_start - torch.tensor([t.first_row for t in tables])  # RowStore.key: a shard's rows keyed as its table's
         self.codec = RecordCodec(self.dim, precision, rounding, state_width)
         self.rows = self.codec.rows  # RowStore.encode encodes through self.rows
         self.record_bytes = R = self.codec.record_bytes
@@ -502,7 +503,9 @@ class DiskRowStore:
         store's replays into the file as it is."""
         return {"rows": self.tables[table].num_rows, "dim": self.tables[table].dim, "precision": self.precision,
                 "rounding": self.codec.rounding, "state_width": self.state_width, "record_bytes": self.record_bytes,
-                "seed": self.seed, "table_number": int(self._table_number[table])}
+                "seed": self.seed, "table_number": int(self._table_number[table]),
+                **({"first_row": spec.first_row, "table_rows": spec.whole_rows} if (spec := self.tables[table]).first_row
+                   or spec.table_num_rows is not None else {})}  # a shard: its rows start from the table's
 
     def chain(self, table: int) -> dict | None:
         """The files of table `table`'s last committed checkpoint (None: its base is the initial rows)."""

@@ -66,7 +66,8 @@ def build_embeddings(
     features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
     device: torch.device, seed: int, placements: dict[str, str] | None = None,
     precisions: dict[str, str] | None = None, cache_rows: int | None = None,
-    batch_ids: dict[str, int | None] | None = None,
+    batch_ids: dict[str, int | None] | None = None, shards: list[TableSpec] | None = None,
+    table_numbers: dict[str, int] | None = None,
 ) -> EmbeddingBagCollection:
     """One table per feature, named after it, grouped by (placement, precision).
 
@@ -74,8 +75,12 @@ def build_embeddings(
     choice); cache_rows: slots of the lookahead/cache group (or per
     placement kind, {"lookahead": n, "disk": m}), overriding placement.cache_rows;
     batch_ids: per table the most ids one batch holds (None: multi-hot), the
-    floor of a ratio-sized cache (cache_size.py)."""
-    tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
+    floor of a ratio-sized cache (cache_size.py); shards: this rank's shards
+    of a sharded run (sharding.py), one per feature, in place of whole
+    tables; table_numbers: each table's number in the rounding keys (default:
+    its feature's position; a shard keeps its whole table's)."""
+    tables = shards or [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
+    numbers = table_numbers or {f: i for i, f in enumerate(features)}
     placements = placements or table_placements(tables, placement)
     precisions = precisions or {t.name: precision.kind for t in tables}
     groups: "OrderedDict[tuple[str, str], list[TableSpec]]" = OrderedDict()
@@ -83,7 +88,7 @@ def build_embeddings(
         groups.setdefault((placements[t.name], precisions[t.name]), []).append(t)
     built = []
     for (kind, table_precision), specs in groups.items():
-        table_rows = [(features.index(t.name), t.num_rows) for t in specs]  # rounding keys: the table, not its group
+        table_rows = [(numbers[t.name], t.num_rows, t.first_row) for t in specs]  # rounding keys: the table, not its group
         rows = cache_rows.get(canonical(kind)) if isinstance(cache_rows, dict) else cache_rows
         if kind == "disk":  # built straight into its file, never whole in memory
             group = make_disk_group(specs, table_precision, table_rows, placement, precision, optimizer, device,
@@ -152,7 +157,7 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
     host_rows = placement.host_cache_rows
     if host_rows is None:
         host_rows = int(round(num_rows * placement.host_cache_ratio))
-    store = DiskRowStore(specs, [n for n, _ in table_rows], table_precision, precision.rounding, seed,
+    store = DiskRowStore(specs, [t[0] for t in table_rows], table_precision, precision.rounding, seed,
                          1 if optimizer.has_state else 0, optimizer.initial_accumulator, placement.disk_path,
                          host_rows, io_threads=placement.disk_io_threads)
     return CachedGroup(

@@ -111,10 +111,10 @@ def plan_table_wise(tables: list[tuple[str, int]], row_bytes: dict[str, int], wo
 
 def plan_row_wise(tables: list[tuple[str, int]], row_bytes: dict[str, int], world_size: int,
                   lookups: dict[str, float] | None = None) -> ShardPlan:
-    """Every table in N contiguous row ranges, range r on rank r (a range may
-    be empty for a table of fewer rows than ranks)."""
+    """Every table in N contiguous row ranges, range r on rank r (a table of
+    fewer rows than ranks has no shard on the last ranks)."""
     shards = [Shard(name, r, lo, hi) for name, rows in tables
-              for r, (lo, hi) in enumerate(row_ranges(rows, world_size))]
+              for r, (lo, hi) in enumerate(row_ranges(rows, world_size)) if hi > lo]
     return ShardPlan("row", world_size, shards, dict(tables), dict(row_bytes), dict(lookups or {}))
 
 

@@ -34,7 +34,7 @@ class RowStore:
         precision: str = "fp32",
         rounding: str = "stochastic",
         seed: int = 0,
-        table_rows: list[tuple[int, int]] | None = None,
+        table_rows: list[tuple[int, ...]] | None = None,
         empty=None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -42,16 +42,19 @@ class RowStore:
         them with write_initial, e.g. through table_init.build_initial_rows);
         state: fp32 [rows, 0|1]; table_rows: (table number, rows) of the fused
         tables in order, the tables' identity for rounding keys (default: one
-        table numbered 0); empty(shape, dtype): allocates the rows (pinned host
+        table numbered 0), with a shard's first row of its table as a third
+        value (its rows are keyed as the whole table's); empty(shape, dtype): allocates the rows (pinned host
         memory on CUDA runs: the one copy of a host table is built in place,
         never pinned by copying)."""
         self.num_rows, self.dim = num_rows, dim
         self.seed = seed
         self.device = torch.device(device)
         table_rows = table_rows or [(0, self.num_rows)]
-        sizes = torch.tensor([n for _, n in table_rows], dtype=torch.int64)
+        sizes = torch.tensor([t[1] for t in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
-        self._table_number = torch.tensor([t for t, _ in table_rows], dtype=torch.int64)
+        self._table_number = torch.tensor([t[0] for t in table_rows], dtype=torch.int64)
+        # a key's row: the row of the whole table (a shard's rows start at its first row)
+        self._table_base = self._table_start - torch.tensor([t[2] if len(t) > 2 else 0 for t in table_rows])
         self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
         self.state = state
 
@@ -82,13 +85,14 @@ class RowStore:
         host (a device sync every write)."""
         tables_on = self.__dict__.setdefault("_tables_on", {})  # per device (a DiskRowStore has its own __init__)
         if ids.device not in tables_on:
-            tables_on[ids.device] = (self._table_start.to(ids.device), self._table_number.to(ids.device))
-        starts, numbers = tables_on[ids.device]
+            tables_on[ids.device] = (self._table_start.to(ids.device), self._table_number.to(ids.device),
+                                     self._table_base.to(ids.device))
+        starts, numbers, bases = tables_on[ids.device]
         if starts.numel() == 1:
             table = torch.zeros_like(ids)
         else:
             table = torch.searchsorted(starts, ids, right=True) - 1
-        return RoundingKey(self.seed, numbers[table], ids - starts[table], step)
+        return RoundingKey(self.seed, numbers[table], ids - bases[table], step)
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 rows and optimizer state of `ids`."""

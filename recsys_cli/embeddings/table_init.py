@@ -23,9 +23,20 @@ from recsys_cli.embeddings.counter import fmix32 as _fmix32
 
 @dataclass(frozen=True)
 class TableSpec:
+    """A table, or a shard of one (embeddings/sharding.py): rows [first_row,
+    first_row + num_rows) of the table `name` of table_num_rows rows. A shard
+    is a table of num_rows rows to whatever holds it, and starts from the
+    same values as those rows of the whole table."""
+
     name: str
     num_rows: int
     dim: int
+    first_row: int = 0
+    table_num_rows: int | None = None  # the whole table's rows (None: this is the whole table)
+
+    @property
+    def whole_rows(self) -> int:
+        return self.num_rows if self.table_num_rows is None else self.table_num_rows
 
 
 # Initialisation keyed by block. A row's initial values are a function of
@@ -72,11 +83,14 @@ def init_into(out: torch.Tensor, spec: TableSpec, row_start: int, seed: int) -> 
     if out.shape[1:] != (spec.dim,) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"init_into needs a CPU fp32 [n, {spec.dim}] tensor, got {out.dtype} {tuple(out.shape)}")
     keys = table_key(spec.name, seed)
-    bound = torch.tensor(1.0 / math.sqrt(spec.num_rows), dtype=torch.float32).item()
+    bound = torch.tensor(1.0 / math.sqrt(spec.whole_rows), dtype=torch.float32).item()
     scale = bound / (1 << 23)  # codes in [-2**23, 2**23): values exact in fp32, strictly inside the bound
     codes = torch.empty(min(n, INIT_BLOCK_ROWS) * spec.dim, dtype=torch.int32)
     gen = torch.Generator()
     piece = max(1, _SERIAL_ELEMENTS // spec.dim)
+    # A shard's rows are rows of the whole table: blocks and streams count from the table's row 0.
+    out_start = row_start = row_start + spec.first_row
+    row_end = row_end + spec.first_row
     row = row_start
     while row < row_end:
         block = row // INIT_BLOCK_ROWS
@@ -89,7 +103,7 @@ def init_into(out: torch.Tensor, spec: TableSpec, row_start: int, seed: int) -> 
         drawn = codes[: (last - first) * spec.dim].random_(-(1 << 23), 1 << 23, generator=gen)
         codes_rows = drawn[skip:].view(last - row, spec.dim)
         for p in range(0, last - row, piece):  # pieces under torch's grain size: no OpenMP team per op
-            dest = out[row - row_start + p : min(last, row + p + piece) - row_start]
+            dest = out[row - out_start + p : min(last, row + p + piece) - out_start]
             dest.copy_(codes_rows[p : p + dest.shape[0]])  # int32 -> fp32, exact (|code| <= 2**23)
             dest.mul_(scale)  # (torch.mul(int32, s, out=fp32) takes a 25x slower casting loop)
         row = last

@@ -65,6 +65,13 @@ class PlacementKind(Choice):
     auto = "auto"  # last: a table's own placement (placement.overrides) cannot be auto
 
 
+class Sharding(Choice):
+    replicated = "replicated"  # every rank holds every table (trainer.embedding_sync keeps them in step)
+    table = "table"  # each table whole on one rank
+    row = "row"  # each table in contiguous row ranges, one per rank
+    auto = "auto"  # the planner picks per table
+
+
 class CachePolicy(Choice):
     lru = "lru"
     lfu = "lfu"
@@ -179,6 +186,9 @@ class PlacementConfig:
     disk_io_threads: int = 8
     # auto: bytes of host memory the tables may use; tables that do not fit go to disk.
     host_memory_budget: Optional[str] = None
+    # With trainer.nproc > 1: every table on every rank, or split over the ranks
+    # (embeddings/sharding.py); a shard sits wherever `kind` puts its table.
+    sharding: Sharding = Sharding.replicated
 
 
 @dataclass
@@ -300,6 +310,7 @@ CHOICES: dict[str, type[Choice]] = {
     "model.dense_precision": DensePrecision,
     "placement.kind": PlacementKind,
     "placement.policy": CachePolicy,
+    "placement.sharding": Sharding,
     "precision.kind": PrecisionKind,
     "precision.rounding": Rounding,
     "precision.policy": CachePolicy,
@@ -432,6 +443,13 @@ def validate(cfg: Any) -> None:
         )
     if not cfg.trainer.drop_last and cfg.trainer.nproc > 1:
         raise UserError(DROP_LAST_RANKS)
+    if cfg.placement.sharding != "replicated":
+        if cfg.placement.kind == "auto":
+            raise UserError(f"placement.sharding={cfg.placement.sharding} places each shard by placement.kind; "
+                            "placement.kind=auto (the budget search over whole tables) does not shard: pick a kind")
+        if cfg.trainer.embedding_sync == "cache_avg":
+            raise UserError(f"placement.sharding={cfg.placement.sharding} gives each row one owner: there are no "
+                            "replicas for trainer.embedding_sync=cache_avg to average; use embedding_sync=grad")
     if cfg.model.top_mlp[-1] != 1:
         raise UserError(f"model.top_mlp must end in 1 (one logit), got {list(cfg.model.top_mlp)}")
 

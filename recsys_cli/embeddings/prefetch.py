@@ -23,7 +23,7 @@ what was prefetched but never trained on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from data_tools.background import BackgroundIterator
 from recsys_cli.data.batch import Batch
@@ -175,7 +175,7 @@ class Prefetcher:
         _close(self.source)
 
 
-def take(iterable, count: int) -> Iterator:
+def take(iterable, count: int) -> Generator:
     """The first `count` items of `iterable`, closing its iterator when done
     (a loader's reader thread stops with it)."""
     it = iter(iterable)

@@ -13,6 +13,7 @@ loop, its evaluation, checkpoints and the run's summary belong together.)
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import nullcontext
@@ -28,6 +29,7 @@ from recsys_cli.data.loader import ShardLoader
 from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for, sum_copies
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
+from recsys_cli.embeddings.sharded import build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
@@ -73,7 +75,12 @@ class Trainer:
                 self.console.print(line, soft_wrap=True, highlight=False)
         self.runtime = runtime_for(self.device)
         # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
-        embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build_embeddings(
+        # Sharded (placement.sharding): this rank builds only the shards it owns (embeddings/sharded.py).
+        build = build_embeddings
+        if self.dist.enabled and cfg.placement.sharding != "replicated":
+            build = functools.partial(build_sharded_embeddings, rank=self.dist.rank,
+                                      world_size=self.dist.world_size, group=self.dist.group)
+        embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
             self.device, tc.seed, **(self.auto_placement.build_arguments() if self.auto_placement else {}),
             batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in data.manifest.sparse_features},

@@ -6,9 +6,10 @@ from recsys_cli.train.distributed import DistContext
 from recsys_cli.train.strategies.base import BatchFeed, Strategy
 from recsys_cli.train.strategies.cache_avg import CacheAvg, check
 from recsys_cli.train.strategies.grad_sync import GradSync
+from recsys_cli.train.strategies.sharded import Sharded
 from recsys_cli.train.strategies.single import SingleProcess
 
-__all__ = ["BatchFeed", "CacheAvg", "GradSync", "SingleProcess", "Strategy", "check", "strategy_for"]
+__all__ = ["BatchFeed", "CacheAvg", "GradSync", "Sharded", "SingleProcess", "Strategy", "check", "strategy_for"]
 
 
 def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0, saved: dict | None = None) -> Strategy:
@@ -18,6 +19,8 @@ def strategy_for(cfg, ctx: DistContext, model, timer, step: int = 0, saved: dict
     tc = cfg.trainer
     if not ctx.enabled:
         return SingleProcess(model.embeddings, tc.batch_size)
+    if cfg.placement.sharding != "replicated":
+        return Sharded(model.embeddings, tc.batch_size, ctx, model, timer)
     if tc.embedding_sync == "cache_avg":
         return CacheAvg(model.embeddings, tc.batch_size, ctx, model, timer, tc.sync_every, step, saved)
     return GradSync(model.embeddings, tc.batch_size, ctx, model, timer)

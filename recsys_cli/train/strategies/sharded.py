@@ -1,0 +1,56 @@
+"""Sharded: tables split over the ranks (placement.sharding=table|row|auto).
+
+The dense model is data parallel as in GradSync (one all-reduce of its
+gradients and the loss per step); the tables are model parallel: each row
+has one owner (embeddings/sharded.py), which updates it from the pooled
+gradients routed back to it, so no row gradient is all-reduced and nothing
+is replicated. The ids of a batch are routed to their owners on the thread
+that plans ahead (the prefetcher's when a shard has a lookahead cache,
+otherwise UnionAhead's), on the prefetch group, so the exchange of batch
+i+1 overlaps the step of batch i; evaluation routes on the main thread and
+group (the training feed may still hold batches in flight then).
+
+Checkpoints: every rank writes its own shards (shard_checkpoint.py), rank
+0 the rest of the state beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+from recsys_cli.embeddings.prefetch import Prefetcher, take
+from recsys_cli.train.strategies.grad_sync import DataParallel
+from recsys_cli.train.union_plan import UnionAhead
+
+
+def routed_batches(loader, limit: int, embeddings, group) -> Generator:
+    """The next `limit` batches of `loader`, their ids routed to the owners."""
+    source = take(loader, limit)
+    try:
+        for batch in source:
+            yield embeddings.route(batch, group)
+    finally:  # the loader's reader thread stops with it
+        source.close()
+
+
+class Sharded(DataParallel):
+    mode = "sharded"
+
+    def averages_rows(self, group) -> bool:
+        return False  # each owner updates its rows from the gradients routed back to it
+
+    def batches(self, loader, limit, start, pause_at):
+        source = routed_batches(loader, limit, self.embeddings, self.ctx.prefetch_group)
+        lookahead = self.lookahead_groups()
+        if lookahead:
+            return Prefetcher(source, lookahead, self.embeddings.release, start, pause_at)
+        return UnionAhead(source)
+
+    def eval_batches(self, loader):
+        for batch in loader:
+            yield self.embeddings.route(batch, self.ctx.group)
+
+    def report(self):
+        plan = self.embeddings.plan
+        return {**super().report(), "sharding": plan.kind,
+                "ids_bytes_sent": self.embeddings.bytes_routed, "pooled_bytes_received": self.embeddings.bytes_pooled}

@@ -203,7 +203,7 @@ def exchange_exactly() -> dict[str, bool]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     place = SimpleNamespace(kind="device", device_max_rows=None, overrides={}, cache_rows=None, cache_ratio=0.05,
-                            window=4, policy="lru", sharding="row")
+                            window=4, policy="lru", sharding="row", device_memory_budget=None)
     prec = SimpleNamespace(kind="fp32", rounding="stochastic", cache_ratio=None, policy="lru")
     out = {}
     for sharding in ("table", "row"):
@@ -252,3 +252,28 @@ def test_sharding_needs_a_placement_kind_and_grad_sync(cache_dir):
         validate(config(cache_dir, placement__sharding="row", placement__kind="auto"))
     with pytest.raises(UserError, match="cache_avg"):
         validate(config(cache_dir, placement__sharding="table", trainer__embedding_sync="cache_avg"))
+
+
+def test_a_plan_over_the_per_rank_budget_is_one_line_before_any_table_is_built():
+    from types import SimpleNamespace
+
+    place = SimpleNamespace(kind="device", sharding="table", device_memory_budget="1KiB")
+    prec = SimpleNamespace(kind="fp32")
+    with pytest.raises(UserError, match=r"rank \d of 2 would hold .* MiB of tables, over placement.device_memory_budget=1KiB"):
+        build_sharded_embeddings(FEATURES, VOCAB, DIM, place, prec, RowOptimizer("sgd"), torch.device("cpu"), 0, 0, 2,
+                                 None)
+
+
+def test_a_backend_without_all_to_all_is_one_line(monkeypatch):
+    import torch.distributed as dist
+
+    from recsys_cli.embeddings import sharded
+
+    def lacking(*args, **kwargs):
+        raise RuntimeError("ProcessGroupMPI does not support alltoall: not supported\n(more lines)")
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "mpi")
+    monkeypatch.setattr(dist, "all_to_all_single", lacking)
+    with pytest.raises(UserError, match="all_to_all, which the mpi backend lacks") as e:
+        sharded._all_to_all(torch.zeros(4, dtype=torch.int64), [2, 2], [2, 2], None)
+    assert "\n" not in str(e.value)

@@ -41,6 +41,7 @@ from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.sharding import Shard, ShardPlan
+from recsys_cli.errors import UserError
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Route:
     payloads: list[torch.Tensor]  # per destination rank: int64 [lengths of its shards' bags | their ids]
     num_ids: list[int]  # per destination: ids in its payload
     batch_sizes: list[int] | None = None  # every rank's slice, in rank order (after route)
-    bytes_sent: int = 0  # ids and lengths this rank sent (the all-to-all's payload)
+    bytes_sent: int = 0  # ids and lengths this rank sends the other ranks
 
 
 class PooledExchange(torch.autograd.Function):
@@ -90,9 +91,17 @@ class PooledExchange(torch.autograd.Function):
 
 def _all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """One all_to_all_single of `send` (dim 0 split as given), on the group's device."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     out = torch.empty(sum(recv_splits), dtype=send.dtype, device=device)
-    dist.all_to_all_single(out, send.to(device), recv_splits, send_splits, group=group)
+    try:
+        dist.all_to_all_single(out, send.to(device), recv_splits, send_splits, group=group)
+    except (RuntimeError, NotImplementedError) as e:
+        if "not supported" in str(e).lower() or "not implemented" in str(e).lower() or isinstance(e, NotImplementedError):
+            raise UserError(f"placement.sharding routes ids by all_to_all, which the {backend} backend lacks "
+                            f"({str(e).splitlines()[0]}); use gloo (CPU) or nccl (CUDA), or placement.sharding="
+                            "replicated") from None
+        raise
     return out.to(send.device)
 
 
@@ -134,8 +143,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if min(seen, default=1) < 1:
             raise ValueError("the shard plan leaves a feature without an owner")
         self._later = [(torch.tensor([f for f, _ in k]), torch.tensor([c for _, c in k])) for k in later]
-        self.bytes_routed = 0  # ids this rank sent to owners (all-to-all payload)
-        self.bytes_pooled = 0  # pooled values this rank received
+        # What this rank sent by all-to-all in training steps (evaluation not counted):
+        # ids and bag lengths to the owners, pooled rows to every rank, and (backward) their gradients back.
+        self.train_steps, self.ids_bytes_sent, self.pooled_bytes_sent = 0, 0, 0
 
     # --- the loader thread ---------------------------------------------------------
     def plan_batch(self, batch: Batch) -> Batch:
@@ -162,7 +172,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             payload = torch.cat(parts_lengths + parts_ids) if shards else torch.zeros(0, dtype=torch.int64)
             payloads.append(payload)
             num_ids.append(sum(p.numel() for p in parts_ids))
-        batch.route = Route(payloads, num_ids, bytes_sent=sum(p.numel() for p in payloads) * 8)
+        sent = sum(p.numel() for r, p in enumerate(payloads) if r != self.rank) * 8
+        batch.route = Route(payloads, num_ids, bytes_sent=sent)
         batch.plans = None
         return batch
 
@@ -182,7 +193,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv_splits = [len(owned) * b + n for b, n in sizes.tolist()]
         received = _all_to_all(torch.cat(route.payloads), [p.numel() for p in route.payloads], recv_splits, group)
         route.batch_sizes = batch_sizes
-        self.bytes_routed += route.bytes_sent
         if self.local is None:
             batch.plans, batch.id_counts = [], torch.zeros(3, len(self.features), dtype=torch.int64)
             return batch
@@ -217,11 +227,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             owner = torch.zeros(total, 0, self.dim, device=self._device(), requires_grad=torch.is_grad_enabled())
         received = PooledExchange.apply(owner, route.batch_sizes, [len(s) for s in self.owned], self.rank, self.group)
-        self.bytes_pooled += received.numel() * received.element_size()
+        if torch.is_grad_enabled():  # a training step: the gradients go back the same way
+            mine = route.batch_sizes[self.rank] * owner.shape[1] * self.dim * owner.element_size()
+            self.train_steps += 1
+            self.ids_bytes_sent += route.bytes_sent
+            self.pooled_bytes_sent += owner.numel() * owner.element_size() - mine  # rows for the other ranks
         pooled = received.index_select(1, self._first.to(received.device))
         for features, columns in self._later:  # row-wise partial sums, in rank order
             pooled = pooled.index_add(1, features.to(received.device), received.index_select(1, columns.to(received.device)))
         return pooled
+
+    def exchange_report(self) -> dict:
+        """Bytes this rank sent to the others per training step, by what they carried."""
+        steps = max(self.train_steps, 1)
+        return {"ids_bytes_per_step": self.ids_bytes_sent / steps,
+                "pooled_bytes_per_step": self.pooled_bytes_sent / steps,  # forward; backward sends as many
+                "all_to_all_bytes_per_step": (self.ids_bytes_sent + 2 * self.pooled_bytes_sent) / steps}
 
     def _device(self) -> torch.device:
         return self.groups[0].device if self.groups else torch.device("cpu")
@@ -284,7 +305,7 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
     of its own with the configured placement and precision (build_embeddings),
     starting from the same rows as the whole table's (TableSpec.first_row)."""
     from recsys_cli.embeddings.placement import build_embeddings
-    from recsys_cli.embeddings.placement_search import host_row_bytes
+    from recsys_cli.embeddings.placement_search import host_row_bytes, parse_bytes
     from recsys_cli.embeddings.sharding import plan_shards
     from recsys_cli.embeddings.table_init import TableSpec
 
@@ -293,6 +314,15 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
     row_bytes = {f: host_row_bytes(dim, precision.kind, state) for f in features}
     lookups = {f: float(n) for f, n in (batch_ids or {}).items() if n is not None}
     plan = plan_shards(str(placement.sharding), tables, row_bytes, world_size, lookups)
+    if placement.device_memory_budget:  # with sharding: what each rank's shards may take
+        budget = parse_bytes(placement.device_memory_budget, "placement.device_memory_budget")
+        per_rank = plan.rank_bytes()
+        worst = max(range(world_size), key=lambda r: per_rank[r])
+        if per_rank[worst] > budget:
+            raise UserError(
+                f"placement.sharding={plan.kind}: rank {worst} of {world_size} would hold {per_rank[worst] / 2**20:,.1f} "
+                f"MiB of tables, over placement.device_memory_budget={placement.device_memory_budget}: train on more "
+                "processes (trainer.nproc), in a lower precision, or with sharding=row or auto")
     owned = plan.owned(rank)
     local = None
     if owned:

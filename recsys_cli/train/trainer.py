@@ -604,6 +604,9 @@ class Trainer:
         distributed_report = self.strategy.report()
         if distributed_report is not None:
             summary["distributed"] = distributed_report
+        sharding = self.strategy.sharding()
+        if sharding is not None:
+            summary["sharding"] = sharding
         if self.run_dir is not None and self.dist.is_main:
             write_json_atomic(self.run_dir / "summary.json", summary)
         self.log.close()

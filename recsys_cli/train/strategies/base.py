@@ -100,3 +100,7 @@ class Strategy(abc.ABC):
     def report(self) -> dict | None:
         """The summary's "distributed" entry (None: not distributed)."""
         return None
+
+    def sharding(self) -> dict | None:
+        """The summary's "sharding" entry: the shard plan (None: tables replicated)."""
+        return None

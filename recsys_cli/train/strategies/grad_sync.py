@@ -44,6 +44,7 @@ class DataParallel(Strategy):
         self.ctx, self.timer = ctx, timer
         self.world_size = ctx.world_size
         self.dense_params = [p for p in model.parameters() if p.requires_grad]
+        self.reduce_steps, self.reduced_bytes = 0, 0  # the step's all-reduce: what it carried
 
     def averages_rows(self, group) -> bool:
         """Whether the step's all-reduce averages this group's row gradients."""
@@ -71,6 +72,8 @@ class DataParallel(Strategy):
         tensors.append(global_loss)
         with self.timer.phase("communication"):
             all_reduce_mean(tensors, self.ctx.group)
+        self.reduce_steps += 1
+        self.reduced_bytes += sum(t.numel() for t in tensors) * 4  # all_reduce_mean reduces in fp32
         return global_loss[0]
 
     def rows_touched(self, group, plan) -> None:
@@ -95,7 +98,8 @@ class DataParallel(Strategy):
         return path
 
     def report(self):
-        return {"world_size": self.ctx.world_size, "backend": self.ctx.backend, "embedding_sync": self.mode}
+        return {"world_size": self.ctx.world_size, "backend": self.ctx.backend, "embedding_sync": self.mode,
+                "all_reduce_bytes_per_step": self.reduced_bytes / max(self.reduce_steps, 1)}
 
 
 class GradSync(DataParallel):

@@ -51,6 +51,7 @@ class Sharded(DataParallel):
             yield self.embeddings.route(batch, self.ctx.group)
 
     def report(self):
-        plan = self.embeddings.plan
-        return {**super().report(), "sharding": plan.kind,
-                "ids_bytes_sent": self.embeddings.bytes_routed, "pooled_bytes_received": self.embeddings.bytes_pooled}
+        return {**super().report(), "sharding": self.embeddings.plan.kind, **self.embeddings.exchange_report()}
+
+    def sharding(self):
+        return self.embeddings.plan.to_dict()

@@ -299,6 +299,59 @@ def test_the_console_shows_the_disk_tier_when_a_run_has_one(tmp_path):
     assert "read amp" in disk_table and "wait ms/step" in disk_table
 
 
+# A sharded run's "sharding" entry as the trainer writes it (ShardPlan.to_dict), by hand: 2 ranks,
+# C1 whole on rank 1, C2 split row-wise, C3 whole on rank 0 (64-byte rows).
+SHARDING = {
+    "kind": "auto", "world_size": 2,
+    "shards": [{"table": "C1", "rank": 1, "rows": [0, 1000]}, {"table": "C2", "rank": 0, "rows": [0, 5000]},
+               {"table": "C2", "rank": 1, "rows": [5000, 10000]}, {"table": "C3", "rank": 0, "rows": [0, 10]}],
+    "rank_bytes": [5010 * 64, 6000 * 64], "rank_lookups": [2048.0, 3072.0], "imbalance": 6000 / 5505,
+    "table_rows": {"C1": 1000, "C2": 10000, "C3": 10}, "row_bytes": {"C1": 64, "C2": 64, "C3": 64},
+    "lookups": {"C1": 1024.0, "C2": 2048.0, "C3": 1024.0}, "reasons": {"C2": "C2: row-wise, ..."},
+}
+
+
+def test_the_console_shows_a_sharded_runs_ranks(tmp_path):
+    root = tmp_path / "multirun"
+    write_run(root / "0", ["trainer.nproc=2"])
+    console = Console(width=300, record=True)
+    build_report(root, console=console, plots=False)
+    assert "sharded tables" not in console.export_text()  # replicated: no sharding entry
+    write_run(root / "1", ["trainer.nproc=2", "placement.sharding=auto"])
+    summary = json.loads((root / "1" / "summary.json").read_text())
+    (root / "1" / "summary.json").write_text(json.dumps({**summary, "sharding": SHARDING}))
+    console = Console(width=80, record=True)
+    build_report(root, console=console, plots=False)
+    text = console.export_text()
+    part = text[text.index("sharded tables, per rank"):]
+    lines = part.splitlines()
+    (first,) = [ln for ln in lines if "sharding=auto" in ln]
+    second = lines[lines.index(first) + 1]
+    for cell in ("auto", "313 KiB", "2,048", "1.090x"):  # rank 0: C2's first half and C3
+        assert cell in first, (cell, first)
+    for cell in ("375 KiB", "3,072"):  # rank 1: C1 and C2's second half
+        assert cell in second, (cell, second)
+    assert [ln.split("│")[2:4] for ln in (first, second)] == [[" auto ", "    0 "], ["      ", "    1 "]]
+    assert "(1/2)" not in part  # one table at 80 columns
+    assert "nproc=2 " not in part.replace("sharding=auto", "")  # only the sharded run
+    assert max(len(ln) for ln in text.splitlines()) <= 80
+    replicated, sharded = read_csv(root / "report.csv")
+    assert replicated["sharding"] == "" and replicated["sharding_rank_bytes"] == ""
+    assert sharded["sharding"] == "auto" and sharded["sharding_ranks"] == "2"
+    assert float(sharded["sharding_imbalance"]) == pytest.approx(6000 / 5505)
+    assert sharded["sharding_rank_bytes"] == "320640 384000" and sharded["sharding_rank_lookups"] == "2048.0 3072.0"
+    assert sharded["sharding_rank_shards"] == "2 2"
+
+
+def test_a_sharding_entry_without_rank_bytes_is_left_out_not_fatal(tmp_path):
+    write_run(tmp_path / "run", [])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "sharding": {"kind": "row"}}))
+    console = Console(width=120, record=True)
+    report = build_report(tmp_path / "run", console=console, plots=False)
+    assert "sharded tables" not in console.export_text() and report.rows[0]["sharding"] is None
+
+
 # --- plots: labels that do not collide, totals inside the frame, one AUC axis per dataset (issue 28) ---------------
 def mixed_sweep(tmp_path: Path) -> Path:
     """Four runs differing in several keys (long stacked labels), two on the

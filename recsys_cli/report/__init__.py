@@ -5,8 +5,10 @@ or a Hydra multirun directory; every summary.json below DIR is one run. The
 report has one row per run: the run's overrides, validation AUC and log loss,
 steady-state training samples/s (after the warm-up steps, evaluation and
 checkpoints left out) beside wall-clock seconds, embedding bytes on the device and in host memory, cache hit rate,
-dedup ratio and seconds per phase. It prints that as tables, writes it to
-report.csv and draws:
+dedup ratio and seconds per phase; a run with tables on disk adds the disk
+tier's figures, a run with sharded tables (summary.json's "sharding") its
+bytes, expected lookups and shard count per rank and the imbalance. It
+prints that as tables, writes it to report.csv and draws:
 
   throughput.png      steady-state samples/s per run, coloured by placement / precision
   auc.png             validation AUC per run, same colours

@@ -122,6 +122,49 @@ class Run:
         dup = self.summary.get("duplication")
         return number(dup.get("lookups_saved_by_dedup")) if isinstance(dup, dict) else None
 
+    @property
+    def sharding(self) -> dict | None:
+        """summary.json's "sharding" entry (ShardPlan.to_dict: a run with
+        placement.sharding=table|row|auto), None for a replicated run or an
+        entry without per-rank bytes."""
+        plan = self.summary.get("sharding")
+        if not isinstance(plan, dict) or not isinstance(plan.get("rank_bytes"), list) or not plan["rank_bytes"]:
+            return None
+        if any(number(b) is None for b in plan["rank_bytes"]):
+            return None
+        return plan
+
+    def sharding_per_rank(self) -> list[dict] | None:
+        """One dict per rank of a sharded run: bytes, expected lookups per step
+        and how many tables (or row ranges of tables) it holds."""
+        plan = self.sharding
+        if plan is None:
+            return None
+        n = len(plan["rank_bytes"])
+        lookups = plan.get("rank_lookups")
+        lookups = lookups if isinstance(lookups, list) and len(lookups) == n else [None] * n
+        shards = [0] * n
+        for shard in plan.get("shards") or []:
+            if not isinstance(shard, dict):
+                continue
+            rank, rows = shard.get("rank"), shard.get("rows")
+            empty = isinstance(rows, list) and len(rows) == 2 and rows[0] == rows[1]  # a range of no rows
+            if isinstance(rank, int) and 0 <= rank < n and not empty:
+                shards[rank] += 1
+        return [{"bytes": plan["rank_bytes"][r], "lookups": number(lookups[r]), "shards": shards[r]} for r in range(n)]
+
+    @property
+    def sharding_imbalance(self) -> float | None:
+        """The largest rank's bytes over the mean (the entry's, else from its rank_bytes)."""
+        plan = self.sharding
+        if plan is None:
+            return None
+        if number(plan.get("imbalance")) is not None:
+            return plan["imbalance"]
+        per_rank = plan["rank_bytes"]
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean else 1.0
+
     def cache_overhead_ms(self) -> float | None:
         """Trainer-visible cache cost: data_wait + embedding_forward, ms per step."""
         steps, phases = self.steps, self.phase_seconds
@@ -287,12 +330,27 @@ def report_rows(runs: list[Run]) -> list[dict]:
             "disk_read_amplification": number(run.cache.get("disk_read_amplification")),
             "host_cache_hit_rate": number(run.cache.get("host_cache_hit_rate")),
             "disk_wait_seconds_per_step": number(run.cache.get("disk_wait_seconds_per_step")),
+            # sharded tables (placement.sharding): empty for replicated runs; lists are one value per rank
+            **_sharding_columns(run),
         }
         for phase in phases:
             row[f"seconds_{phase}"] = run.phase_seconds.get(phase)
         rows.append(row)
     return rows
 
+
+
+def _sharding_columns(run: Run) -> dict:
+    per_rank = run.sharding_per_rank()
+    plan = run.sharding or {}
+    return {
+        "sharding": plan.get("kind") if per_rank else None,
+        "sharding_ranks": len(per_rank) if per_rank else None,
+        "sharding_imbalance": run.sharding_imbalance,
+        "sharding_rank_bytes": [r["bytes"] for r in per_rank] if per_rank else None,
+        "sharding_rank_lookups": [r["lookups"] for r in per_rank] if per_rank else None,
+        "sharding_rank_shards": [r["shards"] for r in per_rank] if per_rank else None,
+    }
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -15,14 +15,23 @@ PHASE_SHORT = {"data_wait": "wait", "embedding_forward": "emb fwd", "mlp_forward
 CSV_NAME = "report.csv"
 
 
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, list):  # one value per rank (sharding_rank_*): space-separated in one cell
+        return " ".join("" if v is None else str(v) for v in value)
+    return value
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """report.csv, written to a temporary file and renamed; empty cells for missing values."""
+    """report.csv, written to a temporary file and renamed; empty cells for
+    missing values, a list's values space-separated in its cell."""
     buffer = io.StringIO()
     columns = list(rows[0]) if rows else ["run"]
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        writer.writerow({k: _csv_cell(v) for k, v in row.items()})
     atomic_write(path, buffer.getvalue().encode())
 
 
@@ -70,8 +79,9 @@ def _packed_tables(title: str, headers: list[str], cells: list[list[str]], width
 
 def console_tables(rows: list[dict], root: Path, width: int | None = None) -> list:
     """The rich tables `recsys report` prints: metrics per run, seconds per phase
-    and, when a run has tables on disk, the disk tier's figures; each split by
-    columns to fit `width` (no limit when None)."""
+    and, when a run has tables on disk, the disk tier's figures, when a run
+    shards its tables, bytes and lookups per rank; each split by columns to
+    fit `width` (no limit when None)."""
     cells = [
         [r["run"], f"{r['placement']}/{r['precision']}", _fmt(r["val_auc"], ".4f"), _fmt(r["val_logloss"], ".4f"),
          _fmt(r["samples_per_second"]), format_bytes(r["device_bytes"]), format_bytes(r["host_bytes"]),
@@ -104,5 +114,21 @@ def console_tables(rows: list[dict], root: Path, width: int | None = None) -> li
         caption = ("read amp: bytes read from disk per row byte needed; host hit rate: the disk store's host "
                    "cache hits per row it served; wait: the trainer's time on the disk store per step")
         tables += _packed_tables("disk tier", headers, cells, width, caption)
+    sharded = [r for r in rows if r.get("sharding_rank_bytes")]
+    if sharded:  # only when some run shards its tables (placement.sharding=table|row|auto)
+        cells = []
+        for r in sharded:
+            lookups = r["sharding_rank_lookups"] or [None] * r["sharding_ranks"]
+            for rank, (nbytes, lk, shards) in enumerate(zip(r["sharding_rank_bytes"], lookups,
+                                                               r["sharding_rank_shards"])):
+                first = rank == 0
+                cells.append([r["run"] if first else "", (r["sharding"] or "?") if first else "", str(rank),
+                              _fmt(shards), format_bytes(nbytes), _fmt(lk),
+                              f"{r['sharding_imbalance']:.3f}x" if first and r["sharding_imbalance"] else ""])
+        headers = ["run", "kind", "rank", "shards", "bytes", "lookups", "max/mean"]  # narrow: one table at 80 columns
+        caption = ("kind: placement.sharding; shards: the tables, or row ranges of tables, a rank holds; bytes: "
+                   "its tables' bytes, optimizer state included; lookups: the ids it is expected to serve per "
+                   "step (global batch); max/mean: the largest rank's bytes over the mean (1.000x: even)")
+        tables += _packed_tables("sharded tables, per rank", headers, cells, width, caption)
     return tables
 

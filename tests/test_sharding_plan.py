@@ -85,7 +85,7 @@ def test_row_wise_ranges_cover_each_table_once_contiguously(world_size):
     assert_one_owner_per_row(plan, tables)
     for name, rows in tables:
         shards = plan.shards_of(name)
-        assert [s.rank for s in shards] == list(range(world_size))  # range r on rank r
+        assert [s.rank for s in shards] == list(range(min(rows, world_size)))  # range r on rank r, none empty
         assert max(s.rows for s in shards) - min(s.rows for s in shards) <= 1
     assert row_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
@@ -145,6 +145,7 @@ def test_auto_with_tables_of_fewer_rows_than_ranks_still_gives_every_row_one_own
     tables = [("a", 3), ("b", 2), ("c", 1)]
     plan = plan_auto(tables, row_bytes_of(tables), 4, lookups_of(tables))
     assert_one_owner_per_row(plan, tables)
+    assert all(s.rows for s in plan.shards)  # as plan_row_wise: no empty ranges
     assert max(plan.rank_bytes()) == 2 * 64  # 6 rows on 4 ranks: as low as whole rows allow
     assert plan_auto([], {}, 2).shards == []
 

@@ -205,8 +205,8 @@ def _mixed_plan(tables: list[tuple[str, int]], row_bytes: dict[str, int], world_
     owner = _pack([t for t in tables if t[0] not in row_wise], row_bytes, lookups, load)
     shards = []
     for name, rows in tables:
-        if name in row_wise:
-            shards += [Shard(name, r, lo, hi) for r, (lo, hi) in enumerate(ranges[name])]
+        if name in row_wise:  # as plan_row_wise: no shard for an empty range
+            shards += [Shard(name, r, lo, hi) for r, (lo, hi) in enumerate(ranges[name]) if hi > lo]
         else:
             shards.append(Shard(name, owner[name], 0, rows))
     _spread_lookups(shards, row_bytes, lookups, load, [i for i, x in enumerate(shards) if x.table not in row_wise])

@@ -350,6 +350,11 @@ def test_a_sharding_entry_without_rank_bytes_is_left_out_not_fatal(tmp_path):
     console = Console(width=120, record=True)
     report = build_report(tmp_path / "run", console=console, plots=False)
     assert "sharded tables" not in console.export_text() and report.rows[0]["sharding"] is None
+    # the plan under "distributed" (beside the strategy's own figures) is read too
+    distributed = {"mode": "sharded", "world_size": 2, "sharding": SHARDING}
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "distributed": distributed}))
+    report = build_report(tmp_path / "run", plots=False)
+    assert report.rows[0]["sharding"] == "auto" and report.rows[0]["sharding_rank_shards"] == [2, 2]
 
 
 # --- plots: labels that do not collide, totals inside the frame, one AUC axis per dataset (issue 28) ---------------

@@ -125,9 +125,12 @@ class Run:
     @property
     def sharding(self) -> dict | None:
         """summary.json's "sharding" entry (ShardPlan.to_dict: a run with
-        placement.sharding=table|row|auto), None for a replicated run or an
-        entry without per-rank bytes."""
+        placement.sharding=table|row|auto; at the top or in "distributed"),
+        None for a replicated run or an entry without per-rank bytes."""
         plan = self.summary.get("sharding")
+        distributed = self.summary.get("distributed")
+        if not isinstance(plan, dict) and isinstance(distributed, dict):
+            plan = distributed.get("sharding")
         if not isinstance(plan, dict) or not isinstance(plan.get("rank_bytes"), list) or not plan["rank_bytes"]:
             return None
         if any(number(b) is None for b in plan["rank_bytes"]):

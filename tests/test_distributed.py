@@ -190,7 +190,8 @@ def test_disk_tier_in_two_processes_equals_host_tables(runs, disk, memory):
     with cache_avg (rank 0's store fills every rank's cache; evicted rows are
     written back with their averaged values)."""
     assert runs[disk]["stores"] == ["DiskRowStore"] and "DiskRowStore" not in runs[memory]["stores"]
-    assert runs[disk]["distributed"] == runs[memory]["distributed"]
+    same = lambda report: {k: v for k, v in report.items() if k != "peak_host_rss_bytes_per_rank"}  # noqa: E731
+    assert same(runs[disk]["distributed"]) == same(runs[memory]["distributed"])
     if "cache_avg" in disk:
         assert runs[disk]["distributed"]["early_syncs"] > 0
     assert runs[disk]["losses"] == runs[memory]["losses"]

@@ -24,6 +24,7 @@ from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.sharded import bag_counts, build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.train import distributed
+from recsys_cli.train.memory import peak_rss_bytes
 from recsys_cli.train.trainer import Trainer
 from recsys_cli.train.training_data import resolve_dataset
 
@@ -35,7 +36,10 @@ LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placem
 # Caches that hold every row of every table: a low-precision table then rounds
 # only where one process's would (the rows' rounding keys are the whole table's).
 INT8 = dict(placement__kind="lookahead", placement__cache_rows=20000, precision__kind="int8")
+# Tables of ~320 MiB (fp32, dim 16), so that they dominate a process's peak RSS.
+BIG = dict(dataset__synthetic__cardinality_scale=0.15, trainer__max_steps=5)
 CONFIGS = {
+    "big_row": dict(placement__sharding="row", **BIG),  # first: VmHWM is the process's peak so far
     "table": dict(placement__sharding="table"),
     "row": dict(placement__sharding="row"),
     "table_again": dict(placement__sharding="table"),
@@ -70,7 +74,8 @@ def tables(trainer: Trainer) -> dict[tuple[str, int], torch.Tensor]:
 def result(trainer: Trainer) -> dict:
     return {"losses": list(trainer.step_losses), "tables": tables(trainer), "evals": [e["auc"] for e in trainer.evals],
             "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-            "report": trainer.strategy.report(), "table_bytes": trainer.embeddings.memory()["table"]}
+            "report": trainer.strategy.report(), "table_bytes": trainer.embeddings.memory()["table"],
+            "peak_rss": peak_rss_bytes()}
 
 
 def run(container: dict) -> dict:
@@ -81,9 +86,10 @@ def run(container: dict) -> dict:
 
 
 def train_runs(runs: list[tuple[str, dict]]) -> dict:
-    distributed.init(timeout_s=60, device="cpu")
+    ctx = distributed.init(timeout_s=60, device="cpu")
     out = {name: run(container) for name, container in runs}
-    out["exchange"] = exchange_exactly()
+    if ctx.enabled:
+        out["exchange"] = exchange_exactly()
     distributed.teardown()
     return out
 
@@ -92,6 +98,7 @@ def train_runs(runs: list[tuple[str, dict]]) -> dict:
 def cache_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("recsys-cache")
     resolve_dataset(config(path).dataset)
+    resolve_dataset(config(path, **BIG).dataset)
     return path
 
 
@@ -157,6 +164,21 @@ def test_each_rank_holds_about_half_the_table_bytes(runs, references):
         assert sum(per_rank) == whole, (name, per_rank, whole)
         assert max(per_rank) <= 0.6 * whole, (name, per_rank, whole)
     assert runs[0]["row"]["report"]["sharding"] == "row"
+
+
+@pytest.mark.slow  # several processes
+def test_each_ranks_peak_rss_falls_by_about_half_the_tables(runs, cache_dir):
+    """Measured on the processes (VmHWM), not summed from tensors: one
+    process's peak with ~320 MiB of tables (in a process of its own), and
+    each of 2 row-wise ranks' peak, which holds half the rows."""
+    alone = distributed.launch(train_runs, 1, [("big", OmegaConf.to_container(config(cache_dir, **BIG)))])[0]["big"]
+    tables = alone["table_bytes"]
+    assert tables > 300 * 2**20
+    peaks = runs[0]["big_row"]["report"]["peak_host_rss_bytes_per_rank"]
+    held = [runs[r]["big_row"]["table_bytes"] for r in range(NPROC)]
+    assert sum(held) == tables and max(held) - min(held) < tables / 1000  # row ranges differ by a row per table
+    for rank, peak in enumerate(peaks):  # half the tables fewer, give or take a sixth of them
+        assert peak < alone["peak_rss"] - tables / 3, (rank, peak / 2**20, alone["peak_rss"] / 2**20, tables / 2**20)
 
 
 @pytest.mark.slow  # several processes

@@ -28,6 +28,7 @@ import torch
 
 from recsys_cli.embeddings.prefetch import Prefetcher
 from recsys_cli.train.distributed import DistContext, all_gather_varlen, all_reduce_mean, checkpoint_barrier
+from recsys_cli.train.memory import peak_rss_bytes
 from recsys_cli.train.strategies.base import Strategy
 from recsys_cli.train.union_plan import UnionAhead, union_batches
 
@@ -98,8 +99,11 @@ class DataParallel(Strategy):
         return path
 
     def report(self):
+        """Every rank calls it (a small all-gather: each rank's peak RSS)."""
+        peaks = all_gather_varlen(torch.tensor([peak_rss_bytes()], dtype=torch.int64), self.ctx.group)
         return {"world_size": self.ctx.world_size, "backend": self.ctx.backend, "embedding_sync": self.mode,
-                "all_reduce_bytes_per_step": self.reduced_bytes / max(self.reduce_steps, 1)}
+                "all_reduce_bytes_per_step": self.reduced_bytes / max(self.reduce_steps, 1),
+                "peak_host_rss_bytes_per_rank": [int(p[0]) for p in peaks]}
 
 
 class GradSync(DataParallel):

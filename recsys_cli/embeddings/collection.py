@@ -76,6 +76,7 @@ class EmbeddingBagCollection(nn.Module):
         self._identity_order = order == list(range(len(order)))
         self.register_buffer("_restore", torch.argsort(torch.tensor(order)), persistent=False)
         self._pending: list[tuple[TableGroup, LookupPlan, torch.Tensor]] = []
+        self.shard_plan = None  # whole tables (ShardedEmbeddingBagCollection has its plan here)
 
     # --- planning: runs on the loader thread ------------------------------
     def plan_batch(self, batch: Batch) -> Batch:

@@ -121,6 +121,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  local: EmbeddingBagCollection | None, group) -> None:
         super().__init__()
         self.features, self.dim, self.plan, self.rank, self.group = list(features), dim, plan, rank, group
+        self.shard_plan: ShardPlan | None = plan
         self.world_size = plan.world_size
         self.local = local
         self.groups = local.groups if local is not None else []
@@ -305,13 +306,13 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
     of its own with the configured placement and precision (build_embeddings),
     starting from the same rows as the whole table's (TableSpec.first_row)."""
     from recsys_cli.embeddings.placement import build_embeddings
-    from recsys_cli.embeddings.placement_search import host_row_bytes, parse_bytes
-    from recsys_cli.embeddings.sharding import plan_shards
+    from recsys_cli.embeddings.placement_search import parse_bytes
+    from recsys_cli.embeddings.sharding import plan_shards, shard_row_bytes
     from recsys_cli.embeddings.table_init import TableSpec
 
     state = 1 if optimizer.has_state else 0
     tables = list(zip(features, vocab_sizes))
-    row_bytes = {f: host_row_bytes(dim, precision.kind, state) for f in features}
+    row_bytes = {f: shard_row_bytes(dim, precision.kind, state) for f in features}
     lookups = {f: float(n) for f, n in (batch_ids or {}).items() if n is not None}
     plan = plan_shards(str(placement.sharding), tables, row_bytes, world_size, lookups)
     if placement.device_memory_budget:  # with sharding: what each rank's shards may take

@@ -86,6 +86,10 @@ class Trainer:
             batch_ids={f.name: None if f.multi_hot else tc.batch_size for f in data.manifest.sparse_features},
         ))
         if self.console is not None and self.dist.is_main:
+            if embeddings.shard_plan is not None:  # who owns which rows (placement.sharding)
+                self.console.print(embeddings.shard_plan.table())
+                for line in embeddings.shard_plan.why_lines():
+                    self.console.print(line, soft_wrap=True, highlight=False)
             for line in embeddings.cache_sizes():
                 self.console.print(line, soft_wrap=True)
         device_bytes = (self.embedding_allocated or embeddings.memory())["device"]

@@ -30,7 +30,12 @@ from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
 
 SHARDINGS = ("replicated", "table", "row", "auto")
-AUTO_GOAL = 1.1  # plan_auto: the largest rank's bytes within this factor of the mean (issue 29)
+# plan_auto: the largest rank's bytes within this factor of the mean. The
+# issue's planner goal is 1.1x, but a rank's memory goal (tables/N + 1.1x the
+# non-table memory) leaves about 54 MiB for fp32 Kaggle tables: 2.6 % of a
+# rank's 1 GiB at N=2, where the table-wise packing's 1.043x missed it
+# (bench.sharding_bench: 1,479 MiB against a goal of 1,476).
+AUTO_GOAL = 1.02
 
 
 @dataclass(frozen=True)

@@ -313,8 +313,9 @@ def check_process_count(cfg) -> None:
         return
     cores = available_cores()
     if count > cores and not tc.oversubscribe:
+        copies = "" if cfg.placement.sharding != "replicated" else ", each with its own copy of the tables"
         raise UserError(f"{what}={count} is more processes than the {cores} core(s) this process may use: they would "
-                        f"only compete for them, each with its own copy of the tables (give at most {cores}, or "
+                        f"only compete for them{copies} (give at most {cores}, or "
                         "trainer.oversubscribe=true to start them anyway)")
 
 

@@ -1,0 +1,626 @@
+"""Checkpoints of sharded tables (issue 29): every rank writes its own shards, any process count reads them.
+
+A sharded run (embeddings/sharding.py) saves its tables beside the
+checkpoint file, in step-NNNNNNNN.shards/ (shard_dir), through
+torch.distributed.checkpoint (DCP, the library TorchRec uses):
+
+  __R_0.distcp    rank R's shards, written by rank R (DCP's FileSystemWriter)
+  .metadata       DCP's index of every key (rank 0 writes it)
+  caches-R.pt     rank R's cache snapshot, for a resume on the same world size
+  shards.json     the manifest: the pieces (table, saving rank, rows [lo, hi),
+                  precision, fields), each table's rows, the saving world size
+                  and every file's size and XXH3-64 (checksum.py)
+
+A piece is one rank's rows [lo, hi) of one table, in the entry format of
+RowStore.table_snapshot: "precision", the precision's row tensors, "state",
+and optionally a "patch" of rows a cache holds dirty (ids local to the
+piece). Its DCP keys are "<table>/rows-<lo>-<hi>/<field>" and
+"<table>/rows-<lo>-<hi>/patch/<field>": the table and the global row range,
+so a reader finds the rows whatever world size saved them.
+
+The ranks write into .step-NNNNNNNN.shards.tmp/, which rank 0 renames into
+place once every file and the manifest are written and fsynced: a save
+killed at any moment leaves no directory that looks complete. Each file is
+checksummed as its bytes pass to the disk (DCP's writes go through a hashing
+stream), the manifest carries its own checksum, and the checkpoint's record
+(step-NNNNNNNN.files.json, written by checkpoint.save_checkpoint) names
+every file of the directory, so `recsys verify` and a resume's search for an
+intact checkpoint check the shards too. Readers check each file before it
+is read (DamagedFile: one line naming it).
+
+Reading needs no process group: load_shard gives the entry for any row
+range of a table, cut from and joined across the saved pieces that overlap
+it (re-sharding 2 -> 1, 1 -> 2, 2 -> 4 on resume); assemble_tables gives
+whole tables for one process (predict, evaluate, export; through
+checkpoint.load_checkpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, TypeGuard, cast
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from recsys_cli.checksum import ALGORITHM, Checksum, DamagedFile, HashingWriter, file_problem
+from recsys_cli.embeddings.quant import patched_entry
+from recsys_cli.errors import UserError, write_error
+
+SUFFIX = ".shards"
+MANIFEST = "shards.json"
+FORMAT = 1
+METADATA = ".metadata"  # DCP's index file
+
+
+def shard_dir(checkpoint_dir: Path | str, step: int) -> Path:
+    """Where the shards of the checkpoint of `step` live: step-NNNNNNNN.shards beside step-NNNNNNNN.pt."""
+    return Path(checkpoint_dir) / f"step-{step:08d}{SUFFIX}"
+
+
+def shard_dir_of(checkpoint: Path | str) -> Path:
+    """The shard directory named after a checkpoint file (step-NNNNNNNN.pt -> step-NNNNNNNN.shards)."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(checkpoint.name[: -len(".pt")] + SUFFIX)
+
+
+def tables_reference(directory: Path | str, plan: dict) -> dict:
+    """What a sharded checkpoint's .pt holds as its "tables": the shard
+    directory's name (relative to the .pt) and the plan (ShardPlan.to_dict())."""
+    return {"sharded": Path(directory).name, "plan": plan}
+
+
+def is_sharded(tables: Any) -> TypeGuard[dict]:
+    """Whether a checkpoint's "tables" value is a reference to a shard directory."""
+    return isinstance(tables, dict) and isinstance(tables.get("sharded"), str)
+
+
+def _key(table: str, lo: int, hi: int, field: str, patch: bool = False) -> str:
+    return f"{table}/rows-{lo}-{hi}/{'patch/' if patch else ''}{field}"
+
+
+# --- saving ---------------------------------------------------------------------------
+
+
+def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, dict]], caches: Any, rank: int,
+                world_size: int, group: Any = None) -> Path:
+    """Write this rank's shards and caches into `directory` (shard_dir(...));
+    collective: every rank of the run calls it at the checkpoint, with the
+    pieces it owns ({table: (lo, hi, entry)}, entry as RowStore.table_snapshot
+    gives it for rows [lo, hi), its patch ids relative to lo) and its cache
+    snapshot (EmbeddingBagCollection.cache_snapshot()). group: the process
+    group to save over (default: the default group; alone: none). Returns
+    `directory`, complete, on every rank; a failure on any rank is an error
+    on every rank and leaves nothing that looks like a checkpoint (a write
+    that fails is one line naming the file)."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    together = world_size > 1
+    if together and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"save_shards with world_size={world_size} needs an initialised process group")
+    if together and dist.get_world_size(group) != world_size:
+        raise ValueError(f"save_shards: world_size={world_size}, the process group has {dist.get_world_size(group)}")
+    failure: Exception | None = None
+    state: dict[str, torch.Tensor] = {}
+    described: list[dict] = []
+    try:
+        state, described = _state_dict(pieces, rank)
+        if rank == 0:  # a fresh temporary directory (a killed save's is removed)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except Exception as e:
+        failure = _failed(e, tmp)
+    _agree(failure, together, group, world_size, tmp, rank)
+    records: dict[str, dict] = {}
+    try:
+        records[f"caches-{rank}.pt"] = _save_caches(tmp / f"caches-{rank}.pt", caches, rank, world_size)
+    except Exception as e:
+        failure = _failed(e, tmp / f"caches-{rank}.pt")
+    _agree(failure, together, group, world_size, tmp, rank)
+    records.update(_save_dcp(tmp, state, together, group, rank))
+    mine = {"records": records, "pieces": described,
+            "tables": {name: hi for name, (lo, hi, _) in pieces.items()}}
+    gathered: list[Any] = [mine]
+    if together:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine, group=group)
+    if rank == 0:
+        try:
+            _finish(directory, tmp, gathered, world_size)
+        except Exception as e:
+            failure = _failed(e, directory)
+    _agree(failure, together, group, world_size, tmp, rank)
+    return directory
+
+
+def _failed(e: Exception, path: Path) -> Exception:
+    """A rank's failure as it is raised: a failed write is one line naming the file."""
+    return write_error(Path(e.filename) if e.filename else path, e) if isinstance(e, OSError) else e
+
+
+def _state_dict(pieces: dict[str, tuple[int, int, dict]], rank: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The DCP state dict of this rank's pieces (tensors sharing the store's
+    memory, never copies) and their descriptions for the manifest. Empty
+    pieces (a row-wise range of a table with fewer rows than ranks) are left out."""
+    state: dict[str, torch.Tensor] = {}
+    described = []
+    for table, (lo, hi, entry) in pieces.items():
+        if not isinstance(entry, dict) or "precision" not in entry:
+            raise TypeError(f"save_shards: the piece of table {table!r} is not a table entry in native tensors "
+                            f"({type(entry).__name__}; a disk table's snapshot is not supported here)")
+        if hi <= lo:
+            continue
+        fields = [k for k, v in entry.items() if isinstance(v, torch.Tensor)]
+        for k in fields:
+            if entry[k].shape[0] != hi - lo:
+                raise ValueError(f"save_shards: {table!r} rows [{lo}, {hi}): field {k!r} has "
+                                 f"{entry[k].shape[0]} rows, not {hi - lo}")
+            state[_key(table, lo, hi, k)] = _exact(entry[k])
+        patch = entry.get("patch")
+        patch_fields: list[str] = []
+        if patch is not None and patch["rows"].numel():
+            patch_fields = list(patch)
+            for k, v in patch.items():
+                state[_key(table, lo, hi, k, patch=True)] = _exact(v)
+        described.append({"table": table, "rank": rank, "lo": lo, "hi": hi, "precision": entry["precision"],
+                          "fields": fields, "patch": patch_fields})
+    return state, described
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor whose storage is exactly its bytes, sharing them. A
+    table snapshot's tensors are row ranges of a store: DCP would clone a
+    view of a larger storage (a copy of the shard in memory at every
+    checkpoint) and torch.save would write all of it."""
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() == t.nbytes or not t.is_contiguous() or t.nbytes == 0:
+        return t  # its own storage already (or DCP's clone costs nothing worth saving)
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start:start + t.nbytes]  # shares the memory
+    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
+
+
+def _save_caches(path: Path, caches: Any, rank: int, world_size: int) -> dict:
+    with open(path, "wb") as f:
+        out = HashingWriter(f)
+        torch.save({"rank": rank, "world_size": world_size, "caches": caches}, cast(IO[bytes], out))
+        f.flush()
+        os.fsync(f.fileno())
+    return out.checksum.record()
+
+
+def _save_dcp(tmp: Path, state: dict[str, torch.Tensor], together: bool, group: Any, rank: int) -> dict:
+    """DCP's save of `state` into `tmp` (collective when together); the
+    records of the files this rank wrote, checksummed as they were written."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    fs = _hashing_file_system()()
+    writer.fs = fs
+    try:
+        with warnings.catch_warnings():  # alone, DCP warns that it assumes a single process: it is told so
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=writer, process_group=group if together else None, no_dist=not together)
+    except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed = _os_error(e)
+        if failed is None:
+            raise
+        raise write_error(Path(failed.filename) if failed.filename else tmp, failed) from None
+    return {name: c.record() for name, c in fs.written.items() if (tmp / name).is_file()}
+
+
+@functools.cache
+def _hashing_file_system() -> type:
+    """DCP's FileSystem whose written files are checksummed as their bytes
+    pass (written: file name -> Checksum). Built on first use: importing DCP
+    costs half a second that predict and export need not pay."""
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: dict[str, Checksum] = {}
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashed = _HashingStream(stream)
+                yield hashed
+            if not hashed.tainted:
+                self.written[Path(path).name] = hashed.checksum
+
+        def rename(self, path, new_path) -> None:
+            super().rename(path, new_path)
+            done = self.written.pop(Path(path).name, None)
+            if done is not None:
+                self.written[Path(new_path).name] = done
+
+    return HashingFileSystem
+
+
+class _HashingStream:
+    """A file DCP writes through: every byte is checksummed on its way to the
+    file. A seek (which DCP does not do today) makes the checksum unusable:
+    the file is then hashed by reading it back (_finish)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.checksum, self.tainted = raw, Checksum(), False
+
+    def write(self, data: Any) -> int:
+        self.checksum.update(data)
+        return self.raw.write(data)
+
+    def seek(self, *args: Any) -> int:
+        self.tainted = True
+        return self.raw.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close...
+        return getattr(self.raw, name)
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind a failed save: `e`, its cause or context, or one a
+    rank raised inside DCP's CheckpointException; None for any other failure."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        for wrapped in getattr(e, "failures", {}).values():
+            found = _os_error(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            if found is not None:
+                return found
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _agree(failure: Exception | None, together: bool, group: Any, world_size: int, tmp: Path,
+           rank: int) -> None:
+    """Every rank learns whether any rank failed (collective when together):
+    the failing rank raises its own error, the others one naming it; rank 0
+    removes the temporary directory first."""
+    reports: list[Any] = [None if failure is None else str(failure)]
+    if together:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, None if failure is None else str(failure), group=group)
+    failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failure is not None:
+        raise failure
+    r, message = failed[0]
+    raise UserError(f"the checkpoint's shards were not saved: rank {r} failed: {message}")
+
+
+def _finish(directory: Path, tmp: Path, gathered: list[dict], world_size: int) -> None:
+    """Rank 0, once every rank has written: the manifest, then the rename into place."""
+    records: dict[str, dict] = {}
+    for g in gathered:
+        records.update(g["records"])
+    for f in sorted(tmp.iterdir()):  # a file no stream hashed, or not whole: hashed from the disk
+        recorded = records.get(f.name)
+        if recorded is None or recorded["bytes"] != f.stat().st_size:
+            records[f.name] = _hash_file(f)
+    pieces = sorted((p for g in gathered for p in g["pieces"]), key=lambda p: (p["table"], p["lo"]))
+    tables: dict[str, int] = {}
+    for g in gathered:
+        for name, hi in g["tables"].items():
+            tables[name] = max(tables.get(name, 0), hi)
+    for a, b in zip(pieces, pieces[1:]):
+        if a["table"] == b["table"] and b["lo"] < a["hi"]:
+            raise ValueError(f"save_shards: rows [{b['lo']}, {min(a['hi'], b['hi'])}) of table {a['table']!r} are "
+                             f"owned by rank {a['rank']} and rank {b['rank']} (one owner per row)")
+    body = {"format": FORMAT, "world_size": world_size, "tables": tables, "pieces": pieces,
+            "files": dict(sorted(records.items()))}
+    _write_manifest(tmp / MANIFEST, body)
+    _fsync_dir(tmp)
+    old = None
+    if directory.exists():  # this step saved again: the earlier directory goes once the new one is in place
+        old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(directory, old)
+    try:
+        os.replace(tmp, directory)
+    except OSError:
+        if old is not None:  # the earlier save stays in place
+            os.replace(old, directory)
+        raise
+    _fsync_dir(directory.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _hash_file(path: Path) -> dict:
+    got = Checksum()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            got.update(chunk)
+    return got.record()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(path: Path, body: dict) -> None:
+    """One line of JSON, then a line with its own XXH3-64: the manifest is
+    checked before anything it says is trusted."""
+    text = json.dumps(body, sort_keys=True)
+    with open(path, "w") as f:
+        f.write(f"{text}\n{ALGORITHM} {xxhash.xxh3_64_hexdigest(text.encode())}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise DamagedFile(path, "missing") from None
+    except OSError as e:
+        raise DamagedFile(path, f"unreadable ({e.strerror or e})") from None
+    body, _, tail = text.partition(b"\n")
+    algorithm, _, digest = tail.decode(errors="replace").strip().partition(" ")
+    got = xxhash.xxh3_64_hexdigest(body)
+    if algorithm != ALGORITHM or got != digest:
+        said = tail.decode(errors="replace").strip()
+        raise DamagedFile(path, f"its {ALGORITHM} is {got}, its last line says {said!r}")
+    manifest = json.loads(body)
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{path}: shard format {manifest.get('format')!r}, this recsys reads {FORMAT}")
+    return manifest
+
+
+def recorded_files(directory: Path | str) -> dict[str, dict]:
+    """Every file of a complete shard directory with its size and checksum
+    (names relative to it), the manifest included: what the checkpoint's
+    record lists (checkpoint.save_checkpoint)."""
+    directory = Path(directory)
+    files = dict(_read_manifest(directory)["files"])
+    files[MANIFEST] = _hash_file(directory / MANIFEST)
+    return files
+
+
+def remove_unreferenced(checkpoint_dir: Path | str) -> None:
+    """Delete shard directories whose checkpoint file is gone (pruned, or a
+    save killed before its .pt was written) and the temporary directories of
+    killed saves. Called after the .pt files are pruned (checkpoint.prune)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    for d in checkpoint_dir.glob(f"step-*{SUFFIX}"):
+        if d.is_dir() and not (checkpoint_dir / (d.name[: -len(SUFFIX)] + ".pt")).exists():
+            shutil.rmtree(d, ignore_errors=True)
+    for d in checkpoint_dir.glob(f".step-*{SUFFIX}.*"):
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# --- reading --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    table: str
+    rank: int
+    lo: int
+    hi: int
+    precision: str
+    fields: tuple[str, ...]
+    patch: tuple[str, ...]  # empty: no patch
+
+    def keys(self) -> dict[tuple[bool, str], str]:
+        out = {(False, f): _key(self.table, self.lo, self.hi, f) for f in self.fields}
+        out.update({(True, f): _key(self.table, self.lo, self.hi, f, patch=True) for f in self.patch})
+        return out
+
+
+class ShardReader:
+    """One shard directory, read by one process without a process group.
+    The manifest is checked when the reader is made, each file once before
+    it is first read."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.manifest = _read_manifest(self.directory)
+        self.pieces = [_Piece(p["table"], p["rank"], p["lo"], p["hi"], p["precision"], tuple(p["fields"]),
+                              tuple(p["patch"])) for p in self.manifest["pieces"]]
+        self._checked: set[str] = set()
+        self._metadata: Any = None
+        self._file_of: dict[str, str] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest["world_size"]
+
+    def tables(self) -> dict[str, int]:
+        """table -> its rows, in the manifest's order."""
+        return dict(self.manifest["tables"])
+
+    def check(self, name: str) -> Path:
+        """The file `name` of the directory, after checking it against the manifest (DamagedFile)."""
+        path = self.directory / name
+        if name not in self._checked:
+            expected = self.manifest["files"].get(name)
+            problem = "not in its shard manifest" if expected is None else file_problem(path, expected)
+            if problem is not None:
+                raise DamagedFile(path, problem)
+            self._checked.add(name)
+        return path
+
+    def metadata(self) -> Any:
+        if self._metadata is None:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            self.check(METADATA)
+            try:
+                self._metadata = FileSystemReader(self.directory).read_metadata()
+            except Exception as e:
+                raise UserError(f"cannot read {self.directory / METADATA}: {e}") from None
+            self._file_of = {index.fqn: info.relative_path for index, info in self._metadata.storage_data.items()}
+        return self._metadata
+
+    def read(self, piece: _Piece) -> dict:
+        """The piece's entry as saved ({"precision", fields, "state", "patch"?})."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        metadata = self.metadata()
+        keys = piece.keys()
+        targets = {}
+        for key in keys.values():
+            md = metadata.state_dict_metadata.get(key)
+            if md is None or key not in self._file_of:
+                raise UserError(f"{self.directory}: {key!r} is in its manifest but not in {METADATA}")
+            self.check(self._file_of[key])
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        try:
+            with warnings.catch_warnings():  # that it assumes a single process: it is told so
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(targets, storage_reader=dcp.FileSystemReader(self.directory), no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise UserError(f"cannot read the shards of {self.directory}: {str(e).splitlines()[0]}") from None
+        entry: dict = {"precision": piece.precision}
+        entry.update({f: targets[k] for (is_patch, f), k in keys.items() if not is_patch})
+        if piece.patch:
+            entry["patch"] = {f: targets[k] for (is_patch, f), k in keys.items() if is_patch}
+        return entry
+
+    def pieces_of(self, table: str) -> list[_Piece]:
+        return sorted((p for p in self.pieces if p.table == table), key=lambda p: p.lo)
+
+    def load(self, table: str, lo: int, hi: int) -> dict:
+        """The entry for rows [lo, hi) of `table` (see load_shard)."""
+        rows = self.tables().get(table)
+        if rows is None:
+            raise UserError(f"{self.directory} holds no shard of table {table!r}")
+        if not 0 <= lo <= hi <= rows:
+            raise UserError(f"rows [{lo}, {hi}) of table {table!r}: it has {rows} rows in {self.directory}")
+        pieces = self.pieces_of(table)
+        overlapping = [p for p in pieces if p.lo < hi and p.hi > lo]
+        covered, gap_end = lo, hi
+        for p in overlapping:
+            if p.lo > covered:
+                gap_end = p.lo
+                break
+            covered = max(covered, p.hi)
+        if covered < hi:
+            raise UserError(f"rows [{covered}, {gap_end}) of table {table!r} are in no shard of {self.directory}")
+        if lo == hi:  # an empty range: the fields' shapes, no rows
+            if not pieces:
+                raise UserError(f"table {table!r} has no saved rows in {self.directory}")
+            return self._empty(pieces[0])
+        precisions = sorted({p.precision for p in overlapping})
+        if len(precisions) > 1:
+            raise UserError(f"rows [{lo}, {hi}) of table {table!r} were saved in several precisions "
+                            f"({', '.join(precisions)}) in {self.directory}")
+        if len(overlapping) == 1 and (overlapping[0].lo, overlapping[0].hi) == (lo, hi):
+            return self.read(overlapping[0])  # the saved piece itself
+        out: dict = {}
+        patches: list[dict] = []
+        for p in overlapping:
+            saved = self.read(p)
+            a, b = max(lo, p.lo), min(hi, p.hi)
+            for f in p.fields:
+                if f not in out:
+                    out[f] = torch.empty((hi - lo, *saved[f].shape[1:]), dtype=saved[f].dtype)
+                out[f][a - lo:b - lo] = saved[f][a - p.lo:b - p.lo]
+            patch = saved.get("patch")
+            if patch is not None:
+                rows_at = patch["rows"] + (p.lo - lo)  # local to the range asked for
+                inside = (rows_at >= a - lo) & (rows_at < b - lo)
+                if bool(inside.any()):
+                    patches.append({f: (rows_at if f == "rows" else v)[inside] for f, v in patch.items()})
+        entry = {"precision": precisions[0], **out}
+        if patches:
+            entry["patch"] = {f: torch.cat([q[f] for q in patches]) for f in patches[0]}
+        return entry
+
+    def _empty(self, piece: _Piece) -> dict:
+        md = self.metadata().state_dict_metadata
+        entry: dict = {"precision": piece.precision}
+        for f in piece.fields:
+            m = md[_key(piece.table, piece.lo, piece.hi, f)]
+            entry[f] = torch.empty((0, *m.size[1:]), dtype=m.properties.dtype)
+        return entry
+
+    def caches(self, rank: int, world_size: int) -> Any:
+        if world_size != self.world_size:
+            return None
+        name = f"caches-{rank}.pt"
+        if name not in self.manifest["files"]:
+            return None
+        path = self.check(name)
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        return saved["caches"]
+
+
+_readers: dict[tuple, ShardReader] = {}
+
+
+def reader(directory: Path | str) -> ShardReader:
+    """The ShardReader of `directory`, kept while the directory is the same
+    (so each file is checked once however many ranges are read from it)."""
+    directory = Path(directory)
+    try:
+        st = (directory / MANIFEST).stat()
+    except OSError:
+        return ShardReader(directory)  # raises: the manifest is missing or unreadable
+    key = (str(directory.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
+    found = _readers.get(key)
+    if found is None:
+        if len(_readers) >= 4:
+            _readers.clear()
+        found = _readers[key] = ShardReader(directory)
+    return found
+
+
+def load_shard(directory: Path | str, table: str, lo: int, hi: int) -> dict:
+    """The entry for rows [lo, hi) of `table`, in table_snapshot's format and
+    the precision it was saved in: row tensors cut from and joined across
+    the saved pieces that overlap the range (whatever world size saved
+    them), the "patch" (dirty cache rows) kept beside, only its rows inside
+    the range, ids relative to lo. No collective: each rank reads what it
+    needs; only the overlapping pieces are read, and each file is checked
+    against the manifest before its first read."""
+    return reader(directory).load(table, lo, hi)
+
+
+def load_rank_caches(directory: Path | str, rank: int, world_size: int) -> Any:
+    """What rank `rank` saved of its caches, when the checkpoint was saved by
+    `world_size` ranks; None otherwise (the caches then start empty, and the
+    tables take their patches)."""
+    return reader(directory).caches(rank, world_size)
+
+
+def assemble_tables(directory: Path | str, keep_patches: bool = False) -> dict[str, dict]:
+    """Every table whole, {table: entry}, for one process (predict, evaluate,
+    export, a resume without sharding): the patch put in
+    (quant.patched_entry), or kept beside when keep_patches."""
+    found = reader(directory)
+    out = {}
+    for table, rows in found.tables().items():
+        entry = found.load(table, 0, rows)
+        out[table] = entry if keep_patches else patched_entry(entry, in_place=True)
+    return out

@@ -16,6 +16,13 @@ step-NNNNNNNN.files.json (checkpoint_record.py), is renamed into place
 before the .pt. load_checkpoint checks the .pt against it before torch
 reads it (the disk files are checked as they are read), so a damaged
 checkpoint is one line naming the file, for every reader.
+
+A sharded run's tables (issue 29) are not in the .pt: its "tables" is a
+reference, {"sharded": "step-NNNNNNNN.shards", "plan": ...}, to the
+directory beside it that every rank wrote its shards into
+(shard_checkpoint.py). The record lists that directory's files too, pruning
+removes it with its .pt, and load_checkpoint reads it back as whole tables
+(or leaves the reference, for a sharded resume that reads its own rows).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from recsys_cli.checksum import DamagedFile, HashingWriter, file_problem
 from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
 from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.errors import UserError, warn, write_error
+from recsys_cli.train import shard_checkpoint as shards
 from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, record_path, write_record
 
 LATEST = "latest.json"
@@ -51,6 +59,7 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     try:
         directory.mkdir(parents=True, exist_ok=True)
         state, disk_tables, files = _save_disk_tables(directory, step, state)
+        files.update(_shard_files(directory, state))
         # Through a file object: torch's writer then calls its write, and a
         # failed write's OSError (ENOSPC) is kept as the context of the
         # RuntimeError torch raises (given a path, torch says only
@@ -72,8 +81,9 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         written = tmp.stat().st_size if tmp.is_file() else 0
         tmp.unlink(missing_ok=True)
         latest_tmp.unlink(missing_ok=True)
-        if not path.exists():  # a record written for a .pt that never came
+        if not path.exists():  # a record written for a .pt that never came, and its shards
             record_path(path).unlink(missing_ok=True)
+            shutil.rmtree(shards.shard_dir_of(path), ignore_errors=True)
         failed = _os_error(e)
         if failed is None:
             raise
@@ -87,11 +97,13 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
 
 
 def prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints and the one best.json names."""
+    """Delete all but the newest `keep` checkpoints and the one best.json names
+    (each with its shard directory, if sharded)."""
     best = best_file(directory)
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         if old.name != best:
             old.unlink(missing_ok=True)
+    shards.remove_unreferenced(directory)  # after the .pt: a crash in between leaves no .pt without its shards
     referenced: set[str] = set()  # the disk files the remaining checkpoints consist of
     for ckpt in directory.glob("step-*.pt"):
         referenced.update(read_record(ckpt) or {})
@@ -197,6 +209,19 @@ def _save_disk_tables(directory: Path, step: int, state: dict) -> tuple[dict, li
     return {**state, "tables": saved}, [t for _, t in snapshots], files
 
 
+def _shard_files(directory: Path, state: dict) -> dict:
+    """The files of a sharded checkpoint's shard directory (written by
+    shard_checkpoint.save_shards on every rank before this save), named
+    relative to the checkpoint directory, for the record."""
+    tables = state.get("tables")
+    if not shards.is_sharded(tables):
+        return {}
+    name = tables["sharded"]
+    if not (directory / name).is_dir():
+        raise ValueError(f"save_checkpoint: the shard directory {directory / name} was not written (save_shards first)")
+    return {f"{name}/{f}": record for f, record in shards.recorded_files(directory / name).items()}
+
+
 def find_checkpoint(location: str | Path) -> Path:
     """A checkpoint file, or a directory whose latest.json names one."""
     location = Path(location)
@@ -257,25 +282,55 @@ def intact_before(path: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: Path, keep_patches: bool = False) -> dict:
+def load_checkpoint(path: Path, keep_patches: bool = False, whole_tables: bool = True) -> dict:
     """The checkpoint at `path`, its .pt checked against its record first
     (DamagedFile: one line naming it); a disk table's entry is given its
     directory, where its files are checked as they are read. A host table's
     "patch" (the rows its cache held dirty, saved beside it) is put in,
     unless keep_patches (a resume, which restores the cache that holds them:
-    restore.py)."""
+    restore.py).
+
+    A sharded checkpoint's tables are read from its shard directory (each
+    file checked first) into the same whole-table entries, so every reader
+    of a checkpoint reads it unchanged; with whole_tables=False its "tables"
+    stays the reference, given the directory's path ("directory"), for a
+    sharded resume in which each rank reads its own rows
+    (shard_checkpoint.load_shard, load_rank_caches)."""
     verify_checkpoint_file(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"cannot read checkpoint {path}: {e}") from None
     tables = (state.get("tables") or {}) if isinstance(state, dict) else {}
+    if shards.is_sharded(tables):
+        directory = _checked_shard_dir(Path(path), tables["sharded"])
+        if whole_tables:
+            state["tables"] = shards.assemble_tables(directory, keep_patches=keep_patches)
+        else:
+            state["tables"] = {**tables, "directory": str(directory)}
+        return state
     for name, table in tables.items():
         if is_disk_table(table):  # its files lie beside the checkpoint
             table["directory"] = str(Path(path).parent)
         elif isinstance(table, dict) and not keep_patches:  # a cache's dirty rows, saved beside the table: put in (just loaded: in place)
             tables[name] = patched_entry(table, in_place=True)
     return state
+
+
+def _checked_shard_dir(path: Path, name: str) -> Path:
+    """The shard directory a sharded checkpoint names, its manifest checked
+    against the checkpoint's record (which binds the .pt to exactly those
+    shards; the manifest then checks each file as it is read)."""
+    directory = path.parent / name
+    expected = (read_record(path) or {}).get(f"{name}/{shards.MANIFEST}")
+    manifest = directory / shards.MANIFEST
+    if expected is not None:
+        problem = file_problem(manifest, expected)
+        if problem is not None:
+            raise DamagedFile(manifest, problem)
+    elif not manifest.is_file():
+        raise DamagedFile(manifest, "missing")
+    return directory
 
 
 # What a resumed run may change: where and in what precision the tables live,

@@ -1,4 +1,4 @@
-"""`make gpu-check`: the device check, on one CUDA GPU (about 4 minutes, at most 6).
+"""`make gpu-check`: the device check, on one CUDA GPU (about 4 minutes, at most 6.25).
 
     python -m bench.gpu_check [--out DIR] [--steps 100] [--rows 400000]
         [--cardinality-scale 1.0] [--stages data,tests,...] [--dry]
@@ -16,6 +16,10 @@ still runs; the report is rewritten after every stage.
                 and tables as device placement (torch.equal)
   determinism   int8 behind the lookahead cache, deterministic algorithms:
                 two runs are bit for bit the same
+  sharded       placement.sharding's exchange on NCCL (gloo with --dry):
+                pooled rows and the owners' row updates equal one process's
+                collection, torch.equal (one GPU: a one-rank group; two or
+                more: two ranks, one per GPU)
   speed: NAME   the Kaggle model (dlrm_kaggle, Kaggle cardinalities x
                 --cardinality-scale) at batch 2048, one stage per placement:
                 device, lookahead 5 %, lookahead 1 %, host; samples/s and
@@ -94,14 +98,14 @@ def sizes(args) -> Sizes:
                  min(args.cardinality_scale, 0.1), PROFILED_STEPS, tuple(TEST_FILES))
 
 
-# Per-stage timeouts (seconds, process start included); they add up to under
-# 6 minutes, so the whole check fits twice in a 15-minute device window.
-TIMEOUTS = {"data": 40, "tests": 120, "exact": 40, "determinism": 25, "overlap": 30}
+# Per-stage timeouts (seconds, process start included); they add up to 6.25
+# minutes, so the whole check fits twice in a 15-minute device window.
+TIMEOUTS = {"data": 40, "tests": 120, "exact": 40, "determinism": 25, "sharded": 20, "overlap": 30}
 SPEED_TIMEOUT = 25
 
 
 def stage_names() -> list[str]:
-    return ["data", "tests", "exact", "determinism", *(f"speed: {n}" for n in SPEED_SYSTEMS), "overlap"]
+    return ["data", "tests", "exact", "determinism", "sharded", *(f"speed: {n}" for n in SPEED_SYSTEMS), "overlap"]
 
 
 def timeout_of(stage: str) -> int:
@@ -364,11 +368,141 @@ def _covered(a: float, b: float, busy: list[tuple[float, float]]) -> float:
     return covered
 
 
+# --- sharded tables: the exchange, exact (also run by tests/test_sharding.py on gloo) ----------
+SHARDED_CHECK_TABLES = (["a", "b", "c"], [50, 7, 300], 4)  # features, rows, dim
+SHARDED_CHECK_BATCH = 16
+
+
+def _check_batch():
+    import torch
+
+    from recsys_cli.data.jagged import KeyedJaggedTensor
+
+    features, vocab, _ = SHARDED_CHECK_TABLES
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 4, (len(features) * SHARDED_CHECK_BATCH,), generator=g)
+    per_key = lengths.view(len(features), SHARDED_CHECK_BATCH).sum(1)
+    values = torch.cat([torch.randint(0, n, (int(k),), generator=g) for n, k in zip(vocab, per_key)])
+    return KeyedJaggedTensor(features, values, lengths, SHARDED_CHECK_BATCH)
+
+
+def _slice(kjt, lo: int, hi: int):
+    import torch
+
+    from recsys_cli.data.jagged import KeyedJaggedTensor
+
+    lengths = kjt.lengths.view(len(kjt.keys), kjt.stride)
+    chunks = torch.split(kjt.values, lengths.sum(1).tolist())
+    values, out_lengths = [], []
+    for k in range(len(kjt.keys)):
+        start = int(lengths[k, :lo].sum())
+        values.append(chunks[k][start : start + int(lengths[k, lo:hi].sum())])
+        out_lengths.append(lengths[k, lo:hi])
+    return KeyedJaggedTensor(kjt.keys, torch.cat(values), torch.cat(out_lengths), hi - lo)
+
+
+def sharded_exchange_checks(device) -> dict[str, bool]:
+    """In every rank of an initialised process group: one process's
+    collection and the sharded one (table- and row-wise) on one batch. The
+    pooled rows of this rank's slice equal the whole batch's (torch.equal
+    table-wise; row-wise a bag split over shards adds partial sums in rank
+    order), and the rows each owner updates from every rank's pooled
+    gradients equal one process's update from their concatenation divided
+    by the world size (torch.equal)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from recsys_cli.data.batch import Batch
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import build_embeddings
+    from recsys_cli.embeddings.sharded import build_sharded_embeddings
+
+    features, vocab, dim = SHARDED_CHECK_TABLES
+    batch = SHARDED_CHECK_BATCH
+    rank, world = dist.get_rank(), dist.get_world_size()
+    place = SimpleNamespace(kind="device", device_max_rows=None, overrides={}, cache_rows=None, cache_ratio=0.05,
+                            window=4, policy="lru", sharding="row", device_memory_budget=None)
+    prec = SimpleNamespace(kind="fp32", rounding="stochastic", cache_ratio=None, policy="lru")
+    out = {}
+    for sharding in ("table", "row"):
+        place.sharding = sharding
+        whole = build_embeddings(features, vocab, dim, place, prec, RowOptimizer("sgd", 0.5), device, 7)
+        sharded = build_sharded_embeddings(features, vocab, dim, place, prec, RowOptimizer("sgd", 0.5), device, 7,
+                                           rank, world, None)
+        kjt = _check_batch()
+        lo, hi = rank * batch // world, (rank + 1) * batch // world
+        mine = Batch(torch.zeros(hi - lo, 1), _slice(kjt, lo, hi), torch.zeros(hi - lo))
+        mine = sharded.route(sharded.plan_batch(mine), None).to(device)
+        pooled = sharded(mine)
+        everything = whole.plan_batch(Batch(torch.zeros(batch, 1), kjt, torch.zeros(batch))).to(device)
+        reference = whole(everything)
+        if sharding == "table":
+            out["table: pooled"] = torch.equal(pooled, reference[lo:hi])
+        else:
+            out["row: pooled"] = torch.allclose(pooled, reference[lo:hi], rtol=1e-6, atol=1e-7)
+        grad = torch.randn(batch, len(features), dim, generator=torch.Generator().manual_seed(11)).to(device)
+        pooled.backward(grad[lo:hi])
+        reference.backward(grad / world)
+        sharded.step()
+        whole.step()
+        for group in sharded.groups:
+            for t in group.tables:
+                a = group.row_offset[t.name]
+                mine_rows = group.read(torch.arange(a, a + t.num_rows, device=device))
+                wg = next(w for w in whole.groups if t.name in w.row_offset)
+                b = wg.row_offset[t.name] + t.first_row
+                out[f"{sharding}: rows of {t.name}[{t.first_row}:]"] = torch.equal(
+                    mine_rows, wg.read(torch.arange(b, b + t.num_rows, device=device)))
+    return out
+
+
+def stage_sharded(args, out_dir: Path, cache_dir: Path) -> dict:
+    """The sharded exchange on the run's backend: NCCL on CUDA, gloo with --dry.
+    One GPU: a one-rank NCCL group (NCCL takes one rank per device) runs the
+    exchange checks on the device; two or more: two ranks, one per GPU."""
+    import torch
+    import torch.distributed as dist
+
+    from recsys_cli.train.distributed import free_port
+
+    if args.dry or torch.cuda.device_count() < 2:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        backend = "gloo" if args.dry else "nccl"
+        device = torch.device("cpu") if args.dry else torch.device("cuda", 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend)
+        try:
+            checks = sharded_exchange_checks(device)
+        finally:
+            dist.destroy_process_group()
+        return {"ok": all(checks.values()), "checks": checks, "backend": backend, "ranks": 1}
+    from recsys_cli.train import distributed
+
+    ranks = distributed.launch(_sharded_rank, 2)
+    checks = {f"rank {r}: {k}": v for r, got in ranks.items() for k, v in got.items()}
+    return {"ok": all(checks.values()), "checks": checks, "backend": "nccl", "ranks": 2}
+
+
+def _sharded_rank() -> dict[str, bool]:
+    import torch
+
+    from recsys_cli.train import distributed
+
+    ctx = distributed.init(timeout_s=60, device="cuda")
+    try:
+        return sharded_exchange_checks(torch.device("cuda", ctx.local_rank))
+    finally:
+        distributed.teardown()
+
+
 def stage_function(stage: str):
     if stage.startswith("speed: "):
         return stage_speed(stage[len("speed: "):])
     return {"data": stage_data, "tests": stage_tests, "exact": stage_exact, "determinism": stage_determinism,
-            "overlap": stage_overlap}[stage]
+            "sharded": stage_sharded, "overlap": stage_overlap}[stage]
 
 
 def run_stage_here(args) -> None:

@@ -16,11 +16,9 @@ import torch
 import train_config
 from omegaconf import OmegaConf
 
+from bench.gpu_check import SHARDED_CHECK_TABLES, sharded_exchange_checks
 from recsys_cli.config import TrainConfig
-from recsys_cli.data.batch import Batch
-from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.sharded import bag_counts, build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.train import distributed
@@ -89,7 +87,7 @@ def train_runs(runs: list[tuple[str, dict]]) -> dict:
     ctx = distributed.init(timeout_s=60, device="cpu")
     out = {name: run(container) for name, container in runs}
     if ctx.enabled:
-        out["exchange"] = exchange_exactly()
+        out["exchange"] = sharded_exchange_checks(torch.device("cpu"))
     distributed.teardown()
     return out
 
@@ -195,71 +193,6 @@ def test_pooled_rows_and_the_owners_update_are_bit_exact(runs):
             assert same, (rank, check)
 
 
-# --- the exactness check that runs inside the launch ---------------------------------------------
-FEATURES, VOCAB, DIM, BATCH = ["a", "b", "c"], [50, 7, 300], 4, 16
-
-
-def _global_batch() -> KeyedJaggedTensor:
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(0, 4, (len(FEATURES) * BATCH,), generator=g)
-    per_key = lengths.view(len(FEATURES), BATCH).sum(1)
-    values = torch.cat([torch.randint(0, n, (int(k),), generator=g) for n, k in zip(VOCAB, per_key)])
-    return KeyedJaggedTensor(FEATURES, values, lengths, BATCH)
-
-
-def _slice(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
-    lengths = kjt.lengths.view(len(kjt.keys), kjt.stride)
-    chunks = torch.split(kjt.values, lengths.sum(1).tolist())
-    values, out_lengths = [], []
-    for k in range(len(kjt.keys)):
-        start = int(lengths[k, :lo].sum())
-        values.append(chunks[k][start : start + int(lengths[k, lo:hi].sum())])
-        out_lengths.append(lengths[k, lo:hi])
-    return KeyedJaggedTensor(kjt.keys, torch.cat(values), torch.cat(out_lengths), hi - lo)
-
-
-def exchange_exactly() -> dict[str, bool]:
-    """Run in every rank: one process's collection and the sharded one, on the same batch."""
-    import torch.distributed as dist
-    from types import SimpleNamespace
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    place = SimpleNamespace(kind="device", device_max_rows=None, overrides={}, cache_rows=None, cache_ratio=0.05,
-                            window=4, policy="lru", sharding="row", device_memory_budget=None)
-    prec = SimpleNamespace(kind="fp32", rounding="stochastic", cache_ratio=None, policy="lru")
-    out = {}
-    for sharding in ("table", "row"):
-        place.sharding = sharding
-        whole = build_embeddings(FEATURES, VOCAB, DIM, place, prec, RowOptimizer("sgd", 0.5), torch.device("cpu"), 7)
-        sharded = build_sharded_embeddings(FEATURES, VOCAB, DIM, place, prec, RowOptimizer("sgd", 0.5),
-                                           torch.device("cpu"), 7, rank, world, None)
-        kjt = _global_batch()
-        lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-        mine = Batch(torch.zeros(hi - lo, 1), _slice(kjt, lo, hi), torch.zeros(hi - lo))
-        sharded.route(sharded.plan_batch(mine), None)
-        pooled = sharded(mine)
-        reference = whole(Batch(torch.zeros(BATCH, 1), kjt, torch.zeros(BATCH)))
-        if sharding == "table":
-            out["table: pooled"] = torch.equal(pooled, reference[lo:hi])
-        else:  # a bag's ids in several shards: partial sums added in rank order, not in bag order
-            out["row: pooled"] = torch.allclose(pooled, reference[lo:hi], rtol=1e-6, atol=1e-7)
-        g = torch.Generator().manual_seed(11)
-        grad = torch.randn(BATCH, len(FEATURES), DIM, generator=g)
-        pooled.backward(grad[lo:hi])
-        reference.backward(grad / world)
-        sharded.step()
-        whole.step()
-        for group in sharded.groups:
-            for t in group.tables:
-                a = group.row_offset[t.name]
-                mine_rows = group.read(torch.arange(a, a + t.num_rows))
-                wg = next(w for w in whole.groups if t.name in w.row_offset)
-                b = wg.row_offset[t.name] + t.first_row
-                out[f"{sharding}: rows of {t.name}[{t.first_row}:]"] = torch.equal(
-                    mine_rows, wg.read(torch.arange(b, b + t.num_rows)))
-    return out
-
-
 # --- single-process units ---------------------------------------------------------------------------
 def test_bag_counts_counts_the_kept_ids_of_each_bag():
     lengths = torch.tensor([2, 0, 3, 1])
@@ -282,7 +215,7 @@ def test_a_plan_over_the_per_rank_budget_is_one_line_before_any_table_is_built()
     place = SimpleNamespace(kind="device", sharding="table", device_memory_budget="1KiB")
     prec = SimpleNamespace(kind="fp32")
     with pytest.raises(UserError, match=r"rank \d of 2 would hold .* MiB of tables, over placement.device_memory_budget=1KiB"):
-        build_sharded_embeddings(FEATURES, VOCAB, DIM, place, prec, RowOptimizer("sgd"), torch.device("cpu"), 0, 0, 2,
+        build_sharded_embeddings(*SHARDED_CHECK_TABLES, place, prec, RowOptimizer("sgd"), torch.device("cpu"), 0, 0, 2,
                                  None)
 
 

@@ -302,3 +302,33 @@ def test_a_row_range_of_a_large_store_is_written_without_the_rest_of_it(tmp_path
     assert torch.equal(sc.load_shard(directory, "big", 100, 150)["weights"], piece["weights"])
     with pytest.raises(UserError, match=r"rows \[0, 100\) of table 'big' are in no shard"):
         sc.load_shard(directory, "big", 0, 120)
+
+
+def test_a_disk_shard_is_written_chunk_by_chunk_and_reads_back_as_its_disk_checkpoint(tmp_path, monkeypatch):
+    """A shard on disk (DiskRowStore; here rows [20, 32) of a 40-row int8
+    table, Adagrad state) goes in chunks of records read as DCP writes
+    them, its cache's dirty rows put in: it reads back equal to the disk
+    tier's own checkpoint of it (materialize), over ranges across chunks."""
+    from recsys_cli.embeddings.disk_checkpoint import materialize
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+
+    spec = TableSpec("f", 12, DIM, first_row=20, table_num_rows=40)
+    store = DiskRowStore([spec], [0], "int8", "stochastic", 3, 1, 0.0, str(tmp_path / "live"), host_cache_rows=4)
+    ids = torch.tensor([0, 3, 4, 11])
+    store.write(ids, torch.randn(4, DIM, generator=torch.Generator().manual_seed(1)), torch.rand(4, 1), step=2)
+    dirty = torch.tensor([4, 9])
+    dirty_rows = torch.randn(2, DIM, generator=torch.Generator().manual_seed(2))
+
+    def patch():
+        return dirty, store.encode(dirty, dirty_rows, step=STEP), torch.full((2, 1), 0.5)
+
+    monkeypatch.setattr(sc, "CHUNK_BYTES", 5 * store.record_bytes)  # 12 rows: chunks of 5, 5 and 2
+    directory = sc.save_shards(tmp_path / "s", {"f": (20, 32, store.table_snapshot(spec, 0, 12, patch=patch))},
+                               None, 0, 1)
+    assert [(p.lo, p.hi) for p in sc.ShardReader(directory).pieces_of("f")] == [(20, 25), (25, 30), (30, 32)]
+    manifest = store.table_snapshot(spec, 0, 12, patch=patch).save_files(tmp_path / "ck", STEP)
+    want = materialize({**manifest, "directory": str(tmp_path / "ck")})
+    store.close()
+    assert_entries_equal(sc.load_shard(directory, "f", 20, 32), want)
+    for lo, hi in [(20, 25), (23, 31), (29, 30), (30, 30)]:
+        assert_entries_equal(sc.load_shard(directory, "f", lo, hi), expected_cut(want, lo - 20, hi - 20))

@@ -133,6 +133,13 @@ class DiskTableSnapshot:
     def committed(self) -> None:
         self.store.commit_checkpoint(self.table, self._chain, self._patched_ids)
 
+    def patched_records(self, local: torch.Tensor, patch) -> torch.Tensor:
+        """Records of sorted local rows `local` as a checkpoint saves them: the
+        store's, with `patch` (what patch_of() gave) put in. A sharded
+        checkpoint (train/shard_checkpoint.py) writes a disk shard this way,
+        chunk by chunk, holding the store alone (exclusive())."""
+        return self._patched(local, self.store.read_records(self.table, local), patch)
+
     def _layout(self) -> dict:
         s = self.store
         return {"format": FORMAT, "table": self.spec.name, **s.table_identity(self.table),

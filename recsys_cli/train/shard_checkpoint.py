@@ -16,7 +16,10 @@ RowStore.table_snapshot: "precision", the precision's row tensors, "state",
 and optionally a "patch" of rows a cache holds dirty (ids local to the
 piece). Its DCP keys are "<table>/rows-<lo>-<hi>/<field>" and
 "<table>/rows-<lo>-<hi>/patch/<field>": the table and the global row range,
-so a reader finds the rows whatever world size saved them.
+so a reader finds the rows whatever world size saved them. A shard on disk
+(a DiskTableSnapshot) is saved as pieces of CHUNK_BYTES of its records
+("<table>/rows-<lo>-<hi>/records", its dirty rows put in), each read from
+the store only when DCP writes it: no save holds a table in memory.
 
 The ranks write into .step-NNNNNNNN.shards.tmp/, which rank 0 renames into
 place once every file and the manifest are written and fsynced: a save
@@ -43,7 +46,9 @@ import os
 import shutil
 import uuid
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeGuard, cast
 
@@ -52,6 +57,8 @@ import torch.distributed as dist
 import xxhash
 
 from recsys_cli.checksum import ALGORITHM, Checksum, DamagedFile, HashingWriter, file_problem
+from recsys_cli.embeddings.disk_checkpoint import DiskTableSnapshot
+from recsys_cli.embeddings.disk_records import RecordCodec
 from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.errors import UserError, write_error
 
@@ -59,6 +66,8 @@ SUFFIX = ".shards"
 MANIFEST = "shards.json"
 FORMAT = 1
 METADATA = ".metadata"  # DCP's index file
+RECORDS = "records"  # a disk shard's field: its rows' records (disk_records.py)
+CHUNK_BYTES = 16 << 20  # a disk shard is read and written this many bytes of records at a time
 
 
 def shard_dir(checkpoint_dir: Path | str, step: int) -> Path:
@@ -109,10 +118,9 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, dict]],
     if together and dist.get_world_size(group) != world_size:
         raise ValueError(f"save_shards: world_size={world_size}, the process group has {dist.get_world_size(group)}")
     failure: Exception | None = None
-    state: dict[str, torch.Tensor] = {}
-    described: list[dict] = []
+    saving = _Saving()
     try:
-        state, described = _state_dict(pieces, rank)
+        saving = _state_dict(pieces, rank)
         if rank == 0:  # a fresh temporary directory (a killed save's is removed)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -125,8 +133,8 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, dict]],
     except Exception as e:
         failure = _failed(e, tmp / f"caches-{rank}.pt")
     _agree(failure, together, group, world_size, tmp, rank)
-    records.update(_save_dcp(tmp, state, together, group, rank))
-    mine = {"records": records, "pieces": described,
+    records.update(_save_dcp(tmp, saving, together, group, rank))
+    mine = {"records": records, "pieces": saving.described,
             "tables": {name: hi for name, (lo, hi, _) in pieces.items()}}
     gathered: list[Any] = [mine]
     if together:
@@ -146,16 +154,31 @@ def _failed(e: Exception, path: Path) -> Exception:
     return write_error(Path(e.filename) if e.filename else path, e) if isinstance(e, OSError) else e
 
 
-def _state_dict(pieces: dict[str, tuple[int, int, dict]], rank: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """The DCP state dict of this rank's pieces (tensors sharing the store's
-    memory, never copies) and their descriptions for the manifest. Empty
-    pieces (a row-wise range of a table with fewer rows than ranks) are left out."""
-    state: dict[str, torch.Tensor] = {}
-    described = []
+@dataclass
+class _Saving:
+    """What one rank's save writes: DCP's state dict (in-memory pieces as
+    tensors sharing the store's memory; a disk shard's chunks as meta
+    tensors that `producers` fill as DCP writes each), the pieces'
+    descriptions for the manifest, and the disk stores held alone meanwhile."""
+
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    producers: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    described: list[dict] = field(default_factory=list)
+    stores: list[Any] = field(default_factory=list)
+
+
+def _state_dict(pieces: dict[str, tuple[int, int, Any]], rank: int) -> _Saving:
+    """The save of this rank's pieces, never a copy of a table in memory.
+    Empty pieces (a row-wise range of a table with fewer rows than ranks)
+    are left out."""
+    out = _Saving()
     for table, (lo, hi, entry) in pieces.items():
+        if isinstance(entry, DiskTableSnapshot):
+            _disk_piece(out, table, lo, hi, entry, rank)
+            continue
         if not isinstance(entry, dict) or "precision" not in entry:
-            raise TypeError(f"save_shards: the piece of table {table!r} is not a table entry in native tensors "
-                            f"({type(entry).__name__}; a disk table's snapshot is not supported here)")
+            raise TypeError(f"save_shards: the piece of table {table!r} is not a table entry "
+                            f"({type(entry).__name__})")
         if hi <= lo:
             continue
         fields = [k for k, v in entry.items() if isinstance(v, torch.Tensor)]
@@ -163,16 +186,38 @@ def _state_dict(pieces: dict[str, tuple[int, int, dict]], rank: int) -> tuple[di
             if entry[k].shape[0] != hi - lo:
                 raise ValueError(f"save_shards: {table!r} rows [{lo}, {hi}): field {k!r} has "
                                  f"{entry[k].shape[0]} rows, not {hi - lo}")
-            state[_key(table, lo, hi, k)] = _exact(entry[k])
+            out.state[_key(table, lo, hi, k)] = _exact(entry[k])
         patch = entry.get("patch")
         patch_fields: list[str] = []
         if patch is not None and patch["rows"].numel():
             patch_fields = list(patch)
             for k, v in patch.items():
-                state[_key(table, lo, hi, k, patch=True)] = _exact(v)
-        described.append({"table": table, "rank": rank, "lo": lo, "hi": hi, "precision": entry["precision"],
-                          "fields": fields, "patch": patch_fields})
-    return state, described
+                out.state[_key(table, lo, hi, k, patch=True)] = _exact(v)
+        out.described.append({"table": table, "rank": rank, "lo": lo, "hi": hi, "precision": entry["precision"],
+                              "fields": fields, "patch": patch_fields})
+    return out
+
+
+def _disk_piece(out: _Saving, table: str, lo: int, hi: int, snapshot: DiskTableSnapshot, rank: int) -> None:
+    """A disk shard as pieces of CHUNK_BYTES of its records, each read (its
+    cache's dirty rows put in) only when DCP writes it: a save holds one
+    chunk in memory, not the shard."""
+    store = snapshot.store
+    if hi - lo != snapshot.spec.num_rows:
+        raise ValueError(f"save_shards: {table!r} rows [{lo}, {hi}) but its disk shard has {snapshot.spec.num_rows}")
+    patch = snapshot.patch_of() if snapshot.patch_of is not None else None  # before the store's lock, as save_files
+    layout = {"dim": store.dim, "precision": store.precision, "rounding": store.codec.rounding,
+              "state_width": store.state_width}
+    step = max(1, CHUNK_BYTES // store.record_bytes)
+    for a in range(0, hi - lo, step):
+        b = min(a + step, hi - lo)
+        key = _key(table, lo + a, lo + b, RECORDS)
+        out.state[key] = torch.empty((b - a, store.record_bytes), dtype=torch.uint8, device="meta")
+        out.producers[key] = functools.partial(snapshot.patched_records, torch.arange(a, b), patch)
+        out.described.append({"table": table, "rank": rank, "lo": lo + a, "hi": lo + b,
+                              "precision": store.precision, "fields": [RECORDS], "patch": [], "records": layout})
+    if store not in out.stores:
+        out.stores.append(store)
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:
@@ -197,18 +242,22 @@ def _save_caches(path: Path, caches: Any, rank: int, world_size: int) -> dict:
     return out.checksum.record()
 
 
-def _save_dcp(tmp: Path, state: dict[str, torch.Tensor], together: bool, group: Any, rank: int) -> dict:
-    """DCP's save of `state` into `tmp` (collective when together); the
-    records of the files this rank wrote, checksummed as they were written."""
+def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int) -> dict:
+    """DCP's save into `tmp` (collective when together); the records of the
+    files this rank wrote, checksummed as they were written. Disk stores are
+    held alone while their chunks are read."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     fs = _hashing_file_system()()
     writer.fs = fs
     try:
-        with warnings.catch_warnings():  # alone, DCP warns that it assumes a single process: it is told so
+        with warnings.catch_warnings(), ExitStack() as held:  # alone, DCP warns it assumes one process: it is told
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=writer, process_group=group if together else None, no_dist=not together)
+            for store in saving.stores:
+                held.enter_context(store.exclusive())
+            dcp.save(saving.state, storage_writer=writer, planner=_planner(saving.producers),
+                     process_group=group if together else None, no_dist=not together)
     except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -217,6 +266,19 @@ def _save_dcp(tmp: Path, state: dict[str, torch.Tensor], together: bool, group: 
             raise
         raise write_error(Path(failed.filename) if failed.filename else tmp, failed) from None
     return {name: c.record() for name, c in fs.written.items() if (tmp / name).is_file()}
+
+
+def _planner(producers: dict[str, Callable[[], torch.Tensor]]) -> Any:
+    """DCP's default save planner, except that a key in `producers` is made
+    when DCP writes it (a disk shard's chunk: planned from a meta tensor)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class LazySavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            make = producers.get(index.fqn)
+            return make() if make is not None else super().lookup_object(index)
+
+    return LazySavePlanner()
 
 
 @functools.cache
@@ -426,6 +488,11 @@ class _Piece:
     precision: str
     fields: tuple[str, ...]
     patch: tuple[str, ...]  # empty: no patch
+    records: tuple[tuple[str, Any], ...] = ()  # a disk shard's chunk: its record layout (else empty)
+
+    def codec(self) -> RecordCodec:
+        layout = dict(self.records)
+        return RecordCodec(layout["dim"], layout["precision"], layout["rounding"], layout["state_width"])
 
     def keys(self) -> dict[tuple[bool, str], str]:
         out = {(False, f): _key(self.table, self.lo, self.hi, f) for f in self.fields}
@@ -442,7 +509,8 @@ class ShardReader:
         self.directory = Path(directory)
         self.manifest = _read_manifest(self.directory)
         self.pieces = [_Piece(p["table"], p["rank"], p["lo"], p["hi"], p["precision"], tuple(p["fields"]),
-                              tuple(p["patch"])) for p in self.manifest["pieces"]]
+                              tuple(p["patch"]), tuple(sorted(p.get("records", {}).items())))
+                       for p in self.manifest["pieces"]]
         self._checked: set[str] = set()
         self._metadata: Any = None
         self._file_of: dict[str, str] = {}
@@ -499,6 +567,9 @@ class ShardReader:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise UserError(f"cannot read the shards of {self.directory}: {str(e).splitlines()[0]}") from None
         entry: dict = {"precision": piece.precision}
+        if piece.records:  # a disk shard's records, its dirty rows put in when saved
+            fields, state = piece.codec().unpack(targets[keys[(False, RECORDS)]])
+            return {**entry, **fields, "state": state}
         entry.update({f: targets[k] for (is_patch, f), k in keys.items() if not is_patch})
         if piece.patch:
             entry["patch"] = {f: targets[k] for (is_patch, f), k in keys.items() if is_patch}
@@ -539,7 +610,7 @@ class ShardReader:
         for p in overlapping:
             saved = self.read(p)
             a, b = max(lo, p.lo), min(hi, p.hi)
-            for f in p.fields:
+            for f in (k for k, v in saved.items() if isinstance(v, torch.Tensor)):
                 if f not in out:
                     out[f] = torch.empty((hi - lo, *saved[f].shape[1:]), dtype=saved[f].dtype)
                 out[f][a - lo:b - lo] = saved[f][a - p.lo:b - p.lo]
@@ -557,6 +628,10 @@ class ShardReader:
     def _empty(self, piece: _Piece) -> dict:
         md = self.metadata().state_dict_metadata
         entry: dict = {"precision": piece.precision}
+        if piece.records:
+            codec = piece.codec()
+            fields, state = codec.unpack(torch.empty(0, codec.record_bytes, dtype=torch.uint8))
+            return {**entry, **fields, "state": state}
         for f in piece.fields:
             m = md[_key(piece.table, piece.lo, piece.hi, f)]
             entry[f] = torch.empty((0, *m.size[1:]), dtype=m.properties.dtype)

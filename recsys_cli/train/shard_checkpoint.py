@@ -99,12 +99,13 @@ def _key(table: str, lo: int, hi: int, field: str, patch: bool = False) -> str:
 # --- saving ---------------------------------------------------------------------------
 
 
-def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, dict]], caches: Any, rank: int,
+def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], caches: Any, rank: int,
                 world_size: int, group: Any = None) -> Path:
     """Write this rank's shards and caches into `directory` (shard_dir(...));
     collective: every rank of the run calls it at the checkpoint, with the
     pieces it owns ({table: (lo, hi, entry)}, entry as RowStore.table_snapshot
-    gives it for rows [lo, hi), its patch ids relative to lo) and its cache
+    gives it for rows [lo, hi), its patch ids relative to lo, or a disk
+    store's DiskTableSnapshot of the shard) and its cache
     snapshot (EmbeddingBagCollection.cache_snapshot()). group: the process
     group to save over (default: the default group; alone: none). Returns
     `directory`, complete, on every rank; a failure on any rank is an error

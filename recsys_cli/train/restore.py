@@ -20,9 +20,12 @@ import torch
 from omegaconf import OmegaConf
 
 from recsys_cli.checksum import DamagedFile
+from recsys_cli.embeddings.disk_checkpoint import is_disk_table, materialize
+from recsys_cli.embeddings.sharding import ShardPlan
 from recsys_cli.errors import UserError
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
+from recsys_cli.train import shard_checkpoint as shards
 from recsys_cli.train.training_data import TrainingData
 
 
@@ -80,7 +83,10 @@ def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
 
 
 def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
-    state = ckpt.load_checkpoint(path, keep_patches=True)
+    sharded = into.embeddings.shard_plan is not None
+    state = ckpt.load_checkpoint(path, keep_patches=True, whole_tables=not sharded)
+    if sharded:
+        state["tables"], state["caches"] = own_rows(into.embeddings, state["tables"])
     if "config" in state:
         ckpt.check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
     expected = feature_sizes(data)
@@ -125,7 +131,10 @@ def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple
     own optimizer hyperparameters (lr...). Returns the checkpoint and the
     steps it was trained."""
     path = distributed.broadcast_object(ckpt.find_checkpoint(location))  # rank 0's choice
-    state = ckpt.load_checkpoint(path)
+    sharded = into.embeddings.shard_plan is not None
+    state = ckpt.load_checkpoint(path, whole_tables=not sharded)
+    if sharded:
+        state["tables"], _ = own_rows(into.embeddings, state["tables"])
     expected = feature_sizes(data)
     if state.get("features") != expected:
         raise UserError(f"vocabulary mismatch: trainer.init_from={path} was trained on features "
@@ -150,6 +159,38 @@ def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple
         group.update(h)
     into.embeddings.load_table_state(state["tables"])
     return path, state["step"]
+
+
+def own_rows(embeddings, tables: dict) -> tuple[dict, list | None]:
+    """A sharded run's rows of a checkpoint, for this rank's shards, and its
+    caches when the checkpoint can give them back exactly. From a sharded
+    checkpoint (its "tables" the shard directory's reference), whatever
+    world size saved it: each shard's rows are cut from and joined across the
+    saved pieces that overlap it (re-sharding 2 -> 1, 1 -> 2, 2 -> 4), and
+    this rank's saved caches come back when the same plan saved them. From
+    whole tables (one process's or a replicated run's checkpoint): each
+    shard's rows cut from its table, the caches empty. Either way a patch
+    (dirty cache rows) stays beside, for load_table_state to put in or keep."""
+    plan = embeddings.shard_plan
+    mine = plan.owned(embeddings.rank)
+    if shards.is_sharded(tables):
+        directory = tables["directory"]
+        rows = {s.table: shards.load_shard(directory, s.table, s.lo, s.hi) for s in mine}
+        same = ShardPlan.from_dict(tables["plan"]).shards == plan.shards
+        return rows, shards.load_rank_caches(directory, embeddings.rank, plan.world_size) if same else None
+    return {s.table: rows_of(tables[s.table], s.lo, s.hi) for s in mine}, None
+
+
+def rows_of(entry: dict, lo: int, hi: int) -> dict:
+    """Rows [lo, hi) of a table entry (a disk table read whole first), its patch cut to them and rebased."""
+    if is_disk_table(entry):
+        entry = materialize(entry)
+    out = {k: v[lo:hi] if isinstance(v, torch.Tensor) else v for k, v in entry.items() if k != "patch"}
+    patch = entry.get("patch")
+    if patch is not None:
+        inside = (patch["rows"] >= lo) & (patch["rows"] < hi)
+        out["patch"] = {k: (v - lo if k == "rows" else v)[inside] for k, v in patch.items()}
+    return out
 
 
 def feature_sizes(data: TrainingData) -> dict[str, int]:

@@ -509,8 +509,9 @@ class Trainer:
             "samples": self.samples,
             "model": {k: v for k, v in self.model.state_dict().items()},
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "tables": self.embeddings.table_state(patch_beside=True),  # a snapshot: the live cache and store do not change
-            "caches": self.embeddings.cache_snapshot(),  # slots and fp32 rows, so a resumed run continues exactly
+            # a snapshot (the live cache and store do not change), and the caches' slots and fp32 rows,
+            # so a resumed run continues exactly; a sharded run's are in the shard directory beside it
+            **dict(zip(("tables", "caches"), self.strategy.checkpoint_tables())),
             "strategy": self.strategy.state_dict(),  # its mode and process count; cache_avg's sync points
             "torch_rng": torch.get_rng_state(),
             "features": restore.feature_sizes(self.data),
@@ -530,7 +531,8 @@ class Trainer:
         self.saved_step = self.step
         # Distributed: rank 0 writes (every rank restores), the others wait for it.
         path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(),
-                                                                      keep=self.cfg.trainer.keep_last))
+                                                                      keep=self.cfg.trainer.keep_last),
+                                        self.checkpoint_dir, self.step)
         return_free_memory()  # the save's buffers, as after an evaluation
         return path
 

@@ -12,6 +12,7 @@ what differs between them:
   eval_batches()       rows served to every rank), and its results
   gather_predictions()
   checkpoint()         who writes a checkpoint, and who waits for it
+  checkpoint_tables()  what of the tables the checkpoint file holds
   samples()            how many samples a step trained, over every rank
   state_dict()         what a checkpoint keeps of it (cache_avg: sync points)
 
@@ -88,9 +89,14 @@ class Strategy(abc.ABC):
     def gather_predictions(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return logits, labels
 
-    def checkpoint(self, write: Callable[[], Path]) -> Path | None:
-        """Write a checkpoint (write() builds and saves the state)."""
+    def checkpoint(self, write: Callable[[], Path], directory: Path, step: int) -> Path | None:
+        """Write the checkpoint of `step` into `directory` (write() builds and saves the state)."""
         return write()
+
+    def checkpoint_tables(self) -> tuple[dict, list | None]:
+        """What a checkpoint's "tables" and "caches" hold: the tables (a snapshot,
+        the cache's dirty rows beside them) and what resumes the caches exactly."""
+        return self.embeddings.table_state(patch_beside=True), self.embeddings.cache_snapshot()
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the strategy, for a resume (strategy_for's

@@ -92,7 +92,7 @@ class DataParallel(Strategy):
     def before_checkpoint(self) -> None:
         """Every rank, before rank 0 writes."""
 
-    def checkpoint(self, write):
+    def checkpoint(self, write, directory, step):
         self.before_checkpoint()
         path = write() if self.ctx.is_main else None
         checkpoint_barrier()

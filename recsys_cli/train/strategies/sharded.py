@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Generator
 
 from recsys_cli.embeddings.prefetch import Prefetcher, take
+from recsys_cli.train import shard_checkpoint
 from recsys_cli.train.strategies.grad_sync import DataParallel
 from recsys_cli.train.union_plan import UnionAhead
 
@@ -49,6 +50,23 @@ class Sharded(DataParallel):
     def eval_batches(self, loader):
         for batch in loader:
             yield self.embeddings.route(batch, self.ctx.group)
+
+    def checkpoint(self, write, directory, step):
+        """Every rank writes its shards and caches (one collective save, on the
+        checkpoint group: a large save may outlast the step's timeout), then
+        rank 0 the rest, its "tables" a reference to them."""
+        self._shards = shard_checkpoint.shard_dir(directory, step)
+        pieces = {}
+        state = self.embeddings.table_state(patch_beside=True)
+        for group in self.embeddings.groups:
+            for t in group.tables:
+                pieces[t.name] = (t.first_row, t.first_row + t.num_rows, state[t.name])
+        shard_checkpoint.save_shards(self._shards, pieces, self.embeddings.cache_snapshot(), self.ctx.rank,
+                                     self.ctx.world_size, group=self.ctx.checkpoint_group)
+        return super().checkpoint(write, directory, step)
+
+    def checkpoint_tables(self):
+        return shard_checkpoint.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
 
     def report(self):
         return {**super().report(), "sharding": self.embeddings.plan.kind, **self.embeddings.exchange_report()}

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from embedding_harness import assert_identical as harness_identical
+from recsys_cli.train import shard_checkpoint as shards
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
@@ -57,8 +58,14 @@ def assert_identical(a, b, where="checkpoint"):
 
 
 def final_checkpoint(run: Path, steps: int) -> dict:
-    state = torch.load(run / "checkpoints" / f"step-{steps:08d}.pt", weights_only=False)
+    path = run / "checkpoints" / f"step-{steps:08d}.pt"
+    state = torch.load(path, weights_only=False)
     state.pop("config")  # names the run's own directories
+    if shards.is_sharded(state["tables"]):  # the tables and each rank's caches, from the shard directory
+        directory = path.parent / state["tables"]["sharded"]
+        state["tables"] = shards.assemble_tables(directory, keep_patches=True)
+        world = state["strategy"]["world_size"]
+        state["caches"] = [shards.load_rank_caches(directory, rank, world) for rank in range(world)]
     state["metrics"] = without_timing(state["metrics"])  # the metrics.jsonl lines so far
     return state
 
@@ -92,6 +99,15 @@ def check_combination(tmp_path: Path, args: list[str], steps: int, data=SMALL):
     assert summary("a") == summary("resumed")
 
 
+@pytest.mark.slow  # several processes
+def test_sharded_row_wise_lookahead_int8_adagrad_dedup_resumes_exactly(tmp_path):
+    """Every rank's shards and caches in the final checkpoint, twice the same
+    and after kill -9 + resume the same, tensor for tensor."""
+    check_combination(tmp_path, ["trainer.nproc=2", "placement.sharding=row", "placement=lookahead",
+                                 "precision=int8", "placement.cache_ratio=0.05", "optimizer=adagrad", "dedup=on",
+                                 "trainer.batch_size=64"], steps=120)
+
+
 def test_lookahead_int8_small_cache_is_reproducible_and_resumes_exactly(tmp_path):
     # 0.05 of the small data's rows is less than one batch's unique rows: the store serves the rest.
     check_combination(tmp_path, ["+placement=lookahead", "+precision=int8", "placement.cache_ratio=0.05",
@@ -107,7 +123,12 @@ def test_lookahead_int8_small_cache_is_reproducible_and_resumes_exactly(tmp_path
                  "placement.cache_ratio=0.2"], marks=pytest.mark.slow),
     pytest.param(["dataset=synthetic_sessions", "+placement=lookahead", "+precision=int8", "trainer.nproc=2",
                  "placement.cache_ratio=0.05", "optimizer=adagrad", "+dedup=on"], marks=pytest.mark.slow),
-], ids=["lookahead-int4", "cache-int8-lfu", "auto-int8", "cache_avg-2proc", "grad-2proc-int8-adagrad-dedup"])
+    pytest.param(["trainer.nproc=2", "placement.sharding=table", "placement=disk", "placement.host_cache_rows=16",
+                  "placement.cache_ratio=0.2"], marks=pytest.mark.slow),
+    pytest.param(["trainer.nproc=2", "placement.sharding=auto", "placement=host", "precision=fp32"],
+                 marks=pytest.mark.slow),
+], ids=["lookahead-int4", "cache-int8-lfu", "auto-int8", "cache_avg-2proc", "grad-2proc-int8-adagrad-dedup",
+        "sharded-table-disk-2proc", "sharded-auto-host-2proc"])
 def test_combination_is_reproducible_and_resumes_exactly(tmp_path, args):
     check_combination(tmp_path, [*args, "trainer.batch_size=64"], steps=150)
 

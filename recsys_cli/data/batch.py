@@ -17,8 +17,7 @@ from recsys_cli.data.dedup import InverseKeyedJaggedTensor
 from recsys_cli.data.jagged import KeyedJaggedTensor
 
 if TYPE_CHECKING:  # data does not depend on embeddings at run time
-    from recsys_cli.embeddings.plan import LookupPlan
-    from recsys_cli.embeddings.sharded import Route
+    from recsys_cli.embeddings.plan import LookupPlan, Route
 
 Move = Callable[[torch.Tensor], torch.Tensor]
 

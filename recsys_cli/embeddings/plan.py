@@ -14,6 +14,9 @@ sources stay in batch order) and the count per target. Backward is then a
 segment sum in that fixed order (segment_sum), never an atomic index_add_,
 so it is deterministic on CUDA as on CPU, and on CPU it is bit for bit the
 sequential index_add_ it replaces.
+
+A sharded run's batch also carries a Route (embeddings/sharded.py): the ids
+it sends each table's owner, planned on the loader thread like the plans.
 """
 
 from __future__ import annotations
@@ -198,3 +201,15 @@ def plan_lookup(
         num_features=feature_row_offset.numel(), bag_inverse=bag_inverse,
         row_grad=SegmentPlan.of(inverse, unique.numel(), bag_of_id), bag_grad=bag_grad,
     )
+
+
+@dataclass
+class Route:
+    """What travels with a batch of a sharded run: the ids this rank sends to
+    each rank (made on the loader thread), then, once routed, every rank's
+    slice size (the owner's plans cover their concatenation)."""
+
+    payloads: list[torch.Tensor]  # per destination rank: int64 [lengths of its shards' bags | their ids]
+    num_ids: list[int]  # per destination: ids in its payload
+    batch_sizes: list[int] | None = None  # every rank's slice, in rank order (after route)
+    bytes_sent: int = 0  # ids and lengths this rank sends the other ranks

@@ -30,8 +30,6 @@ replicated, and no cache broadcast or averaging is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,21 +37,10 @@ from torch import nn
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
+from recsys_cli.embeddings.plan import Route
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.sharding import Shard, ShardPlan
 from recsys_cli.errors import UserError
-
-
-@dataclass
-class Route:
-    """What travels with a batch of a sharded run: the ids this rank sends to
-    each rank (made on the loader thread), then, once routed, every rank's
-    slice size (the owner's plans cover their concatenation)."""
-
-    payloads: list[torch.Tensor]  # per destination rank: int64 [lengths of its shards' bags | their ids]
-    num_ids: list[int]  # per destination: ids in its payload
-    batch_sizes: list[int] | None = None  # every rank's slice, in rank order (after route)
-    bytes_sent: int = 0  # ids and lengths this rank sends the other ranks
 
 
 class PooledExchange(torch.autograd.Function):

@@ -21,6 +21,7 @@ from recsys_cli.config import TrainConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.sharded import bag_counts, build_sharded_embeddings
 from recsys_cli.errors import UserError
+from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
 from recsys_cli.train.memory import peak_rss_bytes
 from recsys_cli.train.trainer import Trainer
@@ -34,6 +35,7 @@ LOOKAHEAD = dict(placement__kind="lookahead", placement__cache_rows=3000, placem
 # Caches that hold every row of every table: a low-precision table then rounds
 # only where one process's would (the rows' rounding keys are the whole table's).
 INT8 = dict(placement__kind="lookahead", placement__cache_rows=20000, precision__kind="int8")
+HALF = dict(trainer__max_steps=STEPS // 2)
 # Tables of ~320 MiB (fp32, dim 16), so that they dominate a process's peak RSS.
 BIG = dict(dataset__synthetic__cardinality_scale=0.15, trainer__max_steps=5)
 CONFIGS = {
@@ -76,16 +78,19 @@ def result(trainer: Trainer) -> dict:
             "peak_rss": peak_rss_bytes()}
 
 
-def run(container: dict) -> dict:
+def run(container: dict, fit: bool = True) -> dict:
     trainer = Trainer(OmegaConf.merge(OmegaConf.structured(TrainConfig), container))
     trainer.record_losses = True
+    if not fit:  # what the trainer starts from (a resume's restored rows)
+        return {"tables": tables(trainer)}
     trainer.fit()
     return result(trainer)
 
 
 def train_runs(runs: list[tuple[str, dict]]) -> dict:
+    """A worker: every (name, config) in turn; a name starting "built:" is only built, not trained."""
     ctx = distributed.init(timeout_s=60, device="cpu")
-    out = {name: run(container) for name, container in runs}
+    out = {name: run(container, fit=not name.startswith("built:")) for name, container in runs}
     if ctx.enabled:
         out["exchange"] = sharded_exchange_checks(torch.device("cpu"))
     distributed.teardown()
@@ -101,10 +106,40 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(cache_dir):
-    ranks = distributed.launch(train_runs, NPROC, [(n, OmegaConf.to_container(config(cache_dir, **o)))
-                                                   for n, o in CONFIGS.items()])
-    return ranks
+def checkpoints(cache_dir, tmp_path_factory):
+    """Half of the fp32 run: one process's checkpoint (its result beside), and
+    where the 2-process row-wise half writes its sharded one."""
+    one, two = tmp_path_factory.mktemp("ck-one"), tmp_path_factory.mktemp("ck-two")
+    half = run(OmegaConf.to_container(config(cache_dir, **HALF, trainer__checkpoint_dir=str(one))))
+    return {"one": one, "two": two, "one_half": half}
+
+
+def resumed(cache_dir, location, **overrides) -> dict:
+    return OmegaConf.to_container(config(cache_dir, **overrides, trainer__resume=str(location),
+                                         trainer__checkpoint_dir=str(location), trainer__final_checkpoint=False))
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, checkpoints):
+    launched = [(n, OmegaConf.to_container(config(cache_dir, **o))) for n, o in CONFIGS.items()]
+    launched += [("half", OmegaConf.to_container(config(cache_dir, placement__sharding="row", **HALF,
+                                                       trainer__checkpoint_dir=str(checkpoints["two"])))),
+                 ("one_to_two", resumed(cache_dir, checkpoints["one"], placement__sharding="table"))]
+    return distributed.launch(train_runs, NPROC, launched)
+
+
+@pytest.fixture(scope="module")
+def four(cache_dir, checkpoints, runs):
+    """4 processes (more than this machine's cores: trainer.oversubscribe): a
+    re-shard of the 2-rank checkpoint, before and after training on, and two
+    placements behind 4-way shards."""
+    more = dict(trainer__oversubscribe=True)
+    launched = [("built:two_to_four", resumed(cache_dir, checkpoints["two"], placement__sharding="auto", **more)),
+                ("two_to_four", resumed(cache_dir, checkpoints["two"], placement__sharding="auto", **more)),
+                ("row_int8", OmegaConf.to_container(config(cache_dir, placement__sharding="row", **INT8, **more))),
+                ("table_host", OmegaConf.to_container(config(cache_dir, placement__sharding="table",
+                                                             placement__kind="host", **more)))]
+    return distributed.launch(train_runs, 4, launched)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +177,45 @@ def test_sharded_runs_follow_one_process_on_the_global_batch(runs, references, n
     for k, v in ref["model"].items():
         torch.testing.assert_close(got["model"][k], v, rtol=rel, atol=rel * float(v.abs().max()), msg=k)
     assert got["evals"] == pytest.approx(ref["evals"], abs=1e-5)
+
+
+def assert_follows(got: dict, ref: dict, rel: float = 1e-5) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=rel, atol=0)
+    for k, v in ref["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=rel, atol=rel * float(v.abs().max()), msg=k)
+
+
+@pytest.mark.slow  # several processes
+def test_4_processes_follow_one_process_behind_host_and_int8_lookahead_shards(four, references):
+    for name, reference in (("row_int8", "int8"), ("table_host", "fp32")):
+        assert_follows(four[0][name], references[reference])
+        shards = whole_tables(four, name)
+        for table in {t for t, _ in references[reference]["tables"]}:
+            rows = torch.cat([r for _, r in sorted((f, r) for (t, f), r in shards.items() if t == table)])
+            whole = references[reference]["tables"][(table, 0)]
+            torch.testing.assert_close(rows, whole, rtol=1e-5, atol=1e-5 * float(whole.abs().max()), msg=table)
+
+
+@pytest.mark.slow  # several processes
+def test_a_resume_on_another_number_of_processes_reshards_the_saved_rows(checkpoints, runs, four, references,
+                                                                         cache_dir):
+    """The 2-rank row-wise checkpoint read by 4 auto-sharded ranks: every
+    rank's rows equal the saved rows (torch.equal, the checkpoint's own shard
+    files assembled), and the run goes on as one process would: 2 -> 4, 2 -> 1
+    and 1 -> 2 (a one-process checkpoint cut into table-wise shards)."""
+    saved_at = checkpoints["two"] / f"step-{STEPS // 2:08d}.pt"
+    saved = ckpt.load_checkpoint(saved_at)["tables"]  # whole tables, patches in
+    for rank in four.values():
+        for (table, first), rows in rank["built:two_to_four"]["tables"].items():
+            assert torch.equal(rows, saved[table]["weights"][first:first + rows.shape[0]]), (table, first)
+    whole = references["fp32"]
+    first_half = runs[0]["half"]["losses"]
+    assert len(first_half) == STEPS // 2
+    two_to_one = run(resumed(cache_dir, checkpoints["two"]))
+    for got in (four[0]["two_to_four"], two_to_one):
+        assert_follows({**got, "losses": first_half + got["losses"]}, whole)
+    one_to_two = runs[0]["one_to_two"]
+    assert_follows({**one_to_two, "losses": checkpoints["one_half"]["losses"] + one_to_two["losses"]}, whole)
 
 
 @pytest.mark.slow  # several processes
@@ -232,3 +306,20 @@ def test_a_backend_without_all_to_all_is_one_line(monkeypatch):
     with pytest.raises(UserError, match="all_to_all, which the mpi backend lacks") as e:
         sharded._all_to_all(torch.zeros(4, dtype=torch.int64), [2, 2], [2, 2], None)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # several processes
+def test_evaluate_and_export_read_a_sharded_checkpoint_on_one_process(checkpoints, runs, tmp_path):
+    """The 2-rank checkpoint's shards assembled on one process: evaluate's
+    test AUC is the one the 2 ranks measured at the same step, and the
+    module export scores the same rows."""
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+    from recsys_cli.export import ExportConfig, export, load_scorer
+
+    saved_at = checkpoints["two"] / f"step-{STEPS // 2:08d}.pt"
+    result = evaluate(EvaluateConfig(checkpoint=str(saved_at), split="test", output=str(tmp_path / "eval"),
+                                     progress=False, device="cpu"))
+    assert result["auc"] == pytest.approx(runs[0]["half"]["evals"][-1], abs=1e-9)
+    exported = export(ExportConfig(checkpoint=str(saved_at), format="module", output=str(tmp_path / "m.scorer.pt")))
+    scorer = load_scorer(exported["output"])
+    assert torch.isfinite(scorer(torch.zeros(3, 13, dtype=torch.int64), torch.zeros(3, 26, dtype=torch.int64))).all()

@@ -225,7 +225,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = pooled.index_add(1, features.to(received.device), received.index_select(1, columns.to(received.device)))
         return pooled
 
-    def exchange_report(self) -> dict:
+    def exchange_report(self) -> dict[str, float]:
         """Bytes this rank sent to the others per training step, by what they carried."""
         steps = max(self.train_steps, 1)
         return {"ids_bytes_per_step": self.ids_bytes_sent / steps,
@@ -288,10 +288,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
 def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer,
                              device, seed: int, rank: int, world_size: int, group,
-                             batch_ids: dict[str, int | None] | None = None) -> ShardedEmbeddingBagCollection:
+                             batch_ids: dict[str, int | None] | None = None,
+                             lookups: dict[str, float] | None = None) -> ShardedEmbeddingBagCollection:
     """This rank's shards of placement.sharding's plan, each built as a table
     of its own with the configured placement and precision (build_embeddings),
-    starting from the same rows as the whole table's (TableSpec.first_row)."""
+    starting from the same rows as the whole table's (TableSpec.first_row).
+    lookups: per table the ids a global batch looks up (the planner's second
+    objective; default: batch_ids, a one-hot table's ids per batch)."""
     from recsys_cli.embeddings.placement import build_embeddings
     from recsys_cli.embeddings.placement_search import parse_bytes
     from recsys_cli.embeddings.sharding import plan_shards, shard_row_bytes
@@ -300,7 +303,8 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
     state = 1 if optimizer.has_state else 0
     tables = list(zip(features, vocab_sizes))
     row_bytes = {f: shard_row_bytes(dim, precision.kind, state) for f in features}
-    lookups = {f: float(n) for f, n in (batch_ids or {}).items() if n is not None}
+    if lookups is None:
+        lookups = {f: float(n) for f, n in (batch_ids or {}).items() if n is not None}
     plan = plan_shards(str(placement.sharding), tables, row_bytes, world_size, lookups)
     if placement.device_memory_budget:  # with sharding: what each rank's shards may take
         budget = parse_bytes(placement.device_memory_budget, "placement.device_memory_budget")

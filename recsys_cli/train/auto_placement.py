@@ -21,6 +21,22 @@ def sample_sparse(data: TrainingData, batch_size: int, seed: int, count: int = S
     return batches
 
 
+def expected_lookups(data: TrainingData, batch_size: int, seed: int, count: int = 8) -> dict[str, float]:
+    """Per table, the ids a global batch looks up (placement.sharding=auto's
+    second objective): batch_size for a one-hot feature, and for a multi-hot
+    one the mean over the first `count` training batches (sampled only then)."""
+    features = data.manifest.sparse_features
+    out = {f.name: float(batch_size) for f in features if not f.multi_hot}
+    multi = [f.name for f in features if f.multi_hot]
+    if multi:
+        sample = sample_sparse(data, batch_size, seed, count)
+        for name in multi:
+            per_batch = [kjt.to_kjt() if hasattr(kjt, "to_kjt") else kjt for kjt in sample]
+            ids = [int(k.lengths.view(len(k.keys), k.stride)[k.keys.index(name)].sum()) for k in per_batch]
+            out[name] = sum(ids) / max(len(ids), 1)
+    return out
+
+
 def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer) -> TablePlacements:
     """The placements placement=auto trains with: chosen from the skew of the first training batches."""
     batches = sample_sparse(data, cfg.trainer.batch_size, cfg.trainer.seed)

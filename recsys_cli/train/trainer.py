@@ -34,7 +34,7 @@ from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
-from recsys_cli.train.auto_placement import auto_placement
+from recsys_cli.train.auto_placement import auto_placement, expected_lookups
 from recsys_cli.train.loggers import make_log
 from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
@@ -79,7 +79,8 @@ class Trainer:
         build = build_embeddings
         if self.dist.enabled and cfg.placement.sharding != "replicated":
             build = functools.partial(build_sharded_embeddings, rank=self.dist.rank,
-                                      world_size=self.dist.world_size, group=self.dist.group)
+                                      world_size=self.dist.world_size, group=self.dist.group,
+                                      lookups=expected_lookups(data, tc.batch_size, tc.seed))
         embeddings, self.embedding_allocated = allocated_by(self.runtime, lambda: build(
             features, vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision, row_optimizer,
             self.device, tc.seed, **(self.auto_placement.build_arguments() if self.auto_placement else {}),

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
+import torch
+
 from recsys_cli.embeddings.prefetch import Prefetcher, take
 from recsys_cli.train import shard_checkpoint
+from recsys_cli.train.distributed import all_gather_varlen
 from recsys_cli.train.strategies.grad_sync import DataParallel
 from recsys_cli.train.union_plan import UnionAhead
 
@@ -69,7 +72,12 @@ class Sharded(DataParallel):
         return shard_checkpoint.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
 
     def report(self):
-        return {**super().report(), "sharding": self.embeddings.plan.kind, **self.embeddings.exchange_report()}
+        """Every rank calls it: the bytes each rank sent per step, and their largest (ranks send unequal amounts)."""
+        mine = self.embeddings.exchange_report()
+        every = all_gather_varlen(torch.tensor([list(mine.values())], dtype=torch.float64), self.ctx.group)
+        per_rank = {k: [float(r[0, i]) for r in every] for i, k in enumerate(mine)}
+        return {**super().report(), "sharding": self.embeddings.plan.kind,
+                **{k: max(v) for k, v in per_rank.items()}, **{f"{k}_per_rank": v for k, v in per_rank.items()}}
 
     def sharding(self):
         return self.embeddings.plan.to_dict()

@@ -93,3 +93,20 @@ def test_plans_from_kjt_carry_the_sorted_segments():
     assert plan.unique.tolist() == [1, 3, 10, 12]
     assert plan.row_grad.counts.tolist() == [2, 2, 2, 2]
     assert plan.row_grad.source.tolist() == [0, 1, 0, 0, 3, 4, 4, 5]  # bags of the ids, sorted by row
+
+
+def test_plan_lookup_equals_unique_and_a_stable_sort_by_the_inverse():
+    """plan_lookup's single sort gives what torch.unique plus SegmentPlan.of
+    gave (the plan every placement's exactness rests on), torch.equal."""
+    g = torch.Generator().manual_seed(5)
+    for n, vocab in ((0, 5), (1, 5), (300, 7), (3328, 10_000)):
+        lengths = torch.randint(0, 3, (max(n // 2, 1),), generator=g)
+        lengths[-1] += n - int(lengths.sum()) if int(lengths.sum()) <= n else 0
+        values = torch.randint(0, vocab, (int(lengths.sum()),), generator=g)
+        per_feature = torch.tensor([values.numel()])
+        plan = plan_lookup(values, lengths, per_feature, torch.tensor([3]))
+        unique, inverse = torch.unique(values + 3, sorted=True, return_inverse=True)
+        assert torch.equal(plan.unique, unique) and torch.equal(plan.inverse, inverse)
+        reference = SegmentPlan.of(inverse, unique.numel(), plan.bag_of_id)
+        assert torch.equal(plan.row_grad.source, reference.source)
+        assert torch.equal(plan.row_grad.counts, reference.counts)

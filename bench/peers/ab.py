@@ -4,7 +4,8 @@
     .venv-peers/bin/python -m bench.peers.ab [--batch 128 2048] [--rounds 8] [--optimizer sgd]
 
 For each batch size every system (systems.py) is built in one process, with
-one compute thread (torch.set_num_threads(1)); each reads the same batches
+one compute thread (torch.set_num_threads(1); --threads N gives every
+system N); each reads the same batches
 from its own loader. After a warm-up chunk each, the systems run in rounds:
 every round runs one chunk of steps per system (order rotated from round
 to round), timed end to end (waiting for the next batch included). A round
@@ -47,8 +48,8 @@ def chunk(system, batches, steps: int) -> tuple[float, float, list[float]]:
     return seconds, cpu, [float(x) for x in losses]
 
 
-def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int) -> dict:
-    torch.set_num_threads(1)
+def run_ab(setup: Setup, names: list[str], rounds: int, steps: int, warmup: int, threads: int = 1) -> dict:
+    torch.set_num_threads(threads)  # every system the same count
     cfg = setup.config()
     data = dataset_dir(cfg)
     shapes = shapes_of(cfg, data)
@@ -110,8 +111,8 @@ def peak_rss(setup: Setup, name: str, steps: int, argv: list[str]) -> int | None
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
 
 
-def run_only(setup: Setup, name: str, steps: int) -> None:
-    torch.set_num_threads(1)
+def run_only(setup: Setup, name: str, steps: int, threads: int = 1) -> None:
+    torch.set_num_threads(threads)
     cfg = setup.config()
     data = dataset_dir(cfg)
     shapes = shapes_of(cfg, data)
@@ -133,6 +134,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adagrad"))
     p.add_argument("--lr", type=float, default=None, help="default: 0.1 (sgd), 0.05 (adagrad)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recsys config overrides")
+    p.add_argument("--threads", type=int, default=1, help="compute threads, the same for every system")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
     p.add_argument("--record", action="store_true", help="append the results to BENCHMARKS.md")
     p.add_argument("--only", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -140,14 +142,15 @@ def main() -> None:
     args = p.parse_args()
     lr = args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 0.05)
     common = ["--rows", str(args.rows), "--cardinality-scale", str(args.cardinality_scale),
-              "--optimizer", args.optimizer, "--lr", str(lr), *(["--set", *args.set] if args.set else [])]
+              "--optimizer", args.optimizer, "--lr", str(lr), "--threads", str(args.threads),
+              *(["--set", *args.set] if args.set else [])]
 
     def setup_for(batch: int) -> Setup:
         return Setup(rows=args.rows, cardinality_scale=args.cardinality_scale, batch_size=batch,
                      optimizer=args.optimizer, lr=lr, overrides=tuple(args.set))
 
     if args.only:
-        run_only(setup_for(args.batch[0]), args.only, args.only_steps)
+        run_only(setup_for(args.batch[0]), args.only, args.only_steps, args.threads)
         return
     names = list(args.systems)
     rows = []
@@ -156,8 +159,8 @@ def main() -> None:
         warmup = args.warmup if args.warmup is not None else 2 * steps
         setup = setup_for(batch)
         print(f"batch {batch}: {args.rounds} rounds of {steps} steps per system, {warmup} warm-up steps, "
-              f"optimizer {args.optimizer} lr {lr}, one compute thread", flush=True)
-        result = run_ab(setup, names, args.rounds, steps, max(warmup, 1))
+              f"optimizer {args.optimizer} lr {lr}, {args.threads} compute thread(s)", flush=True)
+        result = run_ab(setup, names, args.rounds, steps, max(warmup, 1), args.threads)
         summary = summarize(result, names)
         for n, gap in result["loss_gap"].items():
             print(f"  first {LOSS_STEPS} losses, max |{n} - recsys|: {gap:.2e}")
@@ -187,6 +190,7 @@ def record(rows: list[dict], names: list[str], args, lr: float) -> None:
         ["--batch", *map(str, args.batch), "--rounds", str(args.rounds), "--optimizer", args.optimizer,
          *(["--rows", str(args.rows)] if args.rows != 300_000 else []),
          *(["--cardinality-scale", str(args.cardinality_scale)] if args.cardinality_scale != 1.0 else []),
+         *(["--threads", str(args.threads)] if args.threads != 1 else []),
          *(["--set", *args.set] if args.set else []), "--record"]) + "\"")
     table = []
     for r in rows:
@@ -209,7 +213,8 @@ def record(rows: list[dict], names: list[str], args, lr: float) -> None:
         row["max loss gap"] = max((g for g in res["loss_gap"].values() if g is not None), default=None)
         row["load avg"] = f"{min(res['load']):.1f}-{max(res['load']):.1f}"
         table.append(row)
-    append("Peers: recsys vs FBGEMM TBE + TorchRec dense arch vs plain PyTorch (dlrm_kaggle, one compute thread)",
+    threads = "one compute thread" if args.threads == 1 else f"{args.threads} compute threads, every system"
+    append(f"Peers: recsys vs FBGEMM TBE + TorchRec dense arch vs plain PyTorch (dlrm_kaggle, {threads})",
            list(table[0]), table, command,
            note=("Same process, same loader batches, same model, initial values and optimizer; chunks of steps "
                  "alternate between the systems, round after round, each timed end to end through its loader "

@@ -26,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = (("dlrm_small", 256), ("dlrm_kaggle", 128), ("dlrm_kaggle", 2048))
-POLICIES = ("default", "PASSIVE")  # the OpenMP runtime's own default, and sleeping waits
+# The OpenMP runtime's own default, sleeping waits, and (--policies spin=N) torch's
+# libgomp spinning N times before it sleeps (GOMP_SPINCOUNT; its default spins ~300,000).
+POLICIES = ("default", "PASSIVE")
 BUSY_LOOP = "while True: pass"
 
 
@@ -42,8 +44,10 @@ def child(model: str, batch: int, rows: int, steps: int, rounds: int, threads: l
 
 
 def run_child(policy: str, model: str, batch: int, rows: int, steps: int, rounds: int, threads: list[int]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if policy != "default":
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    if policy.startswith("spin="):
+        env["GOMP_SPINCOUNT"] = policy[len("spin="):]
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     out = subprocess.run([sys.executable, "-m", "bench.thread_policy_bench", "--child", model, str(batch),
                           "--rows", str(rows), "--steps", str(steps), "--rounds", str(rounds),
@@ -52,7 +56,8 @@ def run_child(policy: str, model: str, batch: int, rows: int, steps: int, rounds
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
-def run(rows: int, steps: int, rounds: int, competitors: list[int], threads: list[int]) -> list[dict]:
+def run(rows: int, steps: int, rounds: int, competitors: list[int], threads: list[int],
+        policies: tuple[str, ...] = POLICIES) -> list[dict]:
     out = []
     for busy in competitors:
         loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(busy)]
@@ -60,7 +65,7 @@ def run(rows: int, steps: int, rounds: int, competitors: list[int], threads: lis
             for model, batch in MODELS:
                 model_steps = steps if batch <= 256 else max(20, steps // 8)
                 rates: dict[tuple[str, int], list[float]] = {}
-                for i, policy in enumerate(POLICIES if busy % 2 == 0 else POLICIES[::-1]):
+                for i, policy in enumerate(policies if busy % 2 == 0 else policies[::-1]):
                     for n, r in run_child(policy, model, batch, rows, model_steps, rounds, threads).items():
                         rates.setdefault((policy, n), []).extend(r)
                 best = max(statistics.median(r) for r in rates.values())
@@ -86,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--competitors", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 .. the cores")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES),
+                        help="default, PASSIVE, ACTIVE or spin=N (GOMP_SPINCOUNT=N)")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -95,14 +102,15 @@ def main() -> None:
     from recsys_cli.train.threads import available_cores
 
     threads = args.threads or list(range(1, available_cores() + 1))
-    rows = run(args.rows, args.steps, args.rounds, args.competitors, threads)
+    rows = run(args.rows, args.steps, args.rounds, args.competitors, threads, tuple(args.policies))
     if args.record:
         from bench.record import record
 
         record("Compute threads x OpenMP wait policy, idle and beside CPU-bound competitors",
                list(rows[0]), rows,
                f"python -m bench.thread_policy_bench --steps {args.steps} --rounds {args.rounds} "
-               f"--competitors {' '.join(map(str, args.competitors))}",
+               f"--competitors {' '.join(map(str, args.competitors))}"
+               + (f" --policies {' '.join(args.policies)}" if tuple(args.policies) != POLICIES else ""),
                note="Each wait policy in its own child process (the runtime reads OMP_WAIT_POLICY once), thread "
                     "counts alternated inside it; 'competitors': busy-loop processes running meanwhile; 'vs best': "
                     "the median against the best setting of the same model, batch and competitors.")

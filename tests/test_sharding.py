@@ -83,7 +83,7 @@ def result(trainer: Trainer) -> dict:
     return {"losses": list(trainer.step_losses), "tables": tables(trainer), "evals": [e["auc"] for e in trainer.evals],
             "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             "report": trainer.strategy.report(), "table_bytes": trainer.embeddings.memory()["table"],
-            "peak_rss": peak_rss_bytes()}
+            "peak_rss": peak_rss_bytes(), "duplication": trainer.duplication()}
 
 
 def run(container: dict, fit: bool = True) -> dict:
@@ -224,6 +224,19 @@ def test_a_resume_on_another_number_of_processes_reshards_the_saved_rows(checkpo
         assert_follows({**got, "losses": first_half + got["losses"]}, whole)
     one_to_two = runs[0]["one_to_two"]
     assert_follows({**one_to_two, "losses": checkpoints["one_half"]["losses"] + one_to_two["losses"]}, whole)
+
+
+@pytest.mark.slow  # several processes
+def test_with_dedup_each_owner_pools_the_global_batchs_distinct_bags_once(runs, references):
+    """Bags repeated anywhere in the global batch, across ranks too, are
+    looked up once by their owner: the run's duplication statistics (summed
+    over the owners) are one process's with dedup on the same batches."""
+    for name, reference in (("table_cache_dedup", "dedup"), ("row_int8_dedup", "int8_dedup")):
+        got, ref = runs[0][name]["duplication"], references[reference]["duplication"]
+        assert ref["lookups_saved_by_dedup"] > 0
+        assert got["duplicated_ids_per_feature"] == pytest.approx(ref["duplicated_ids_per_feature"], rel=1e-12)
+        for key in ("duplicated_ids", "lookups_saved_by_dedup"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-12), (name, key)
 
 
 @pytest.mark.slow  # several processes

@@ -224,3 +224,4 @@ class Route:
     num_ids: list[int]  # per destination: ids in its payload
     batch_sizes: list[int] | None = None  # every rank's slice, in rank order (after route)
     bytes_sent: int = 0  # ids and lengths this rank sends the other ranks
+    deduplicated: bool = False  # dedup is on: each owner deduplicates the bags routed to it

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recsys_cli.data.batch import Batch
+from recsys_cli.data.dedup import InverseKeyedJaggedTensor, dedup_kjt
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.plan import Route
@@ -141,9 +142,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # --- the loader thread ---------------------------------------------------------
     def plan_batch(self, batch: Batch) -> Batch:
         """Cut the slice's ids by destination (a loader transform)."""
-        sparse = batch.sparse
-        if not isinstance(sparse, KeyedJaggedTensor):
-            sparse = sparse.to_kjt()  # deduplicated bags travel expanded; the owner dedups its rows
+        deduplicated = isinstance(batch.sparse, InverseKeyedJaggedTensor)
+        # Deduplicated bags travel expanded; each owner deduplicates the global batch's bags (route).
+        sparse = batch.sparse.to_kjt() if isinstance(batch.sparse, InverseKeyedJaggedTensor) else batch.sparse
         if sparse.keys != self.features:
             raise ValueError(f"batch features {sparse.keys} differ from the model's {self.features}")
         stride, values = sparse.stride, sparse.values
@@ -164,7 +165,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             payloads.append(torch.cat([per_bag[a:b].reshape(-1), ids[lo:hi]]))
             num_ids.append(hi - lo)
         sent = sum(p.numel() for r, p in enumerate(payloads) if r != self.rank) * 8
-        batch.route = Route(payloads, num_ids, bytes_sent=sent)
+        batch.route = Route(payloads, num_ids, bytes_sent=sent, deduplicated=deduplicated)
         batch.plans = None
         return batch
 
@@ -195,7 +196,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         values = torch.cat([ids[k] for k in range(len(owned)) for ids in ids_by_rank])
         lengths = torch.cat([lens[k] for k in range(len(owned)) for lens in lengths_by_rank])
         routed = KeyedJaggedTensor([s.table for s in owned], values, lengths, sum(batch_sizes))
-        planned = self.local.plan_batch(Batch(torch.empty(0), routed, torch.empty(sum(batch_sizes))))
+        # With dedup, pooled once per distinct bag of the global batch (bags repeated across ranks too).
+        sparse = dedup_kjt(routed) if route.deduplicated else routed
+        planned = self.local.plan_batch(Batch(torch.empty(0), sparse, torch.empty(sum(batch_sizes))))
         batch.plans = planned.plans
         counts = torch.zeros(3, len(self.features), dtype=torch.int64)  # the owner counts its tables' ids
         if planned.id_counts is not None:

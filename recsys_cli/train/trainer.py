@@ -378,7 +378,8 @@ class Trainer:
         """RecD's measure: the share of a batch's ids that repeat a value
         already in the batch (per feature and overall), and the share of
         lookups that deduplicated bags saved."""
-        batch_ids, looked_up, distinct = self.id_counts.double()
+        # every rank's counts where ranks count different tables (sharded: each owner its own)
+        batch_ids, looked_up, distinct = self.strategy.id_counts(self.id_counts).double()
         ratio = lambda a, b: (1 - a / b).item() if b > 0 else 0.0  # noqa: E731
         return {
             "duplicated_ids": ratio(distinct.sum(), batch_ids.sum()),

@@ -107,6 +107,10 @@ class Strategy(abc.ABC):
         """The summary's "distributed" entry (None: not distributed)."""
         return None
 
+    def id_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The run's id counts ([3, F]: batch ids, looked up, distinct) from this rank's."""
+        return counts
+
     def sharding(self) -> dict | None:
         """The summary's "sharding" entry: the shard plan (None: tables replicated)."""
         return None

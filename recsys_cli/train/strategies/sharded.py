@@ -68,6 +68,12 @@ class Sharded(DataParallel):
                                      self.ctx.world_size, group=self.ctx.checkpoint_group)
         return super().checkpoint(write, directory, step)
 
+    def id_counts(self, counts):
+        """Each owner counted the global batch's ids of its own shards: their sum (every rank calls it)."""
+        total = counts.clone()
+        torch.distributed.all_reduce(total, group=self.ctx.prefetch_group)  # gloo: host int64
+        return total
+
     def checkpoint_tables(self):
         return shard_checkpoint.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
 

@@ -368,3 +368,24 @@ def test_evaluate_and_export_read_a_sharded_checkpoint_on_one_process(checkpoint
     exported = export(ExportConfig(checkpoint=str(saved_at), format="module", output=str(tmp_path / "m.scorer.pt")))
     scorer = load_scorer(exported["output"])
     assert torch.isfinite(scorer(torch.zeros(3, 13, dtype=torch.int64), torch.zeros(3, 26, dtype=torch.int64))).all()
+
+
+def test_routed_plans_are_pinned_where_the_device_reads_them():
+    """CUDA runs pin the owner's plans on the routing thread (their copies stay
+    asynchronous); the pin is the runtime's, here a recording one."""
+    from types import SimpleNamespace
+
+    from recsys_cli.train.strategies.sharded import routed_batches
+
+    pinned = []
+
+    class Plan:
+        def pin_memory(self, pin):
+            pinned.append(pin)
+            return self
+
+    embeddings = SimpleNamespace(route=lambda batch, group: SimpleNamespace(plans=[Plan(), Plan()]))
+    out = list(routed_batches(range(3), 2, embeddings, None, pin="the runtime's pin"))
+    assert len(out) == 2 and pinned == ["the runtime's pin"] * 4
+    pinned.clear()
+    assert len(list(routed_batches(range(3), 3, embeddings, None))) == 3 and not pinned  # CPU: nothing pinned

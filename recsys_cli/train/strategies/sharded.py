@@ -27,12 +27,17 @@ from recsys_cli.train.strategies.grad_sync import DataParallel
 from recsys_cli.train.union_plan import UnionAhead
 
 
-def routed_batches(loader, limit: int, embeddings, group) -> Generator:
-    """The next `limit` batches of `loader`, their ids routed to the owners."""
+def routed_batches(loader, limit: int, embeddings, group, pin=None) -> Generator:
+    """The next `limit` batches of `loader`, their ids routed to the owners;
+    `pin` (CUDA: the runtime's) pins the owner's plans, made here rather than
+    on the loader thread, so their copies to the device stay asynchronous."""
     source = take(loader, limit)
     try:
         for batch in source:
-            yield embeddings.route(batch, group)
+            batch = embeddings.route(batch, group)
+            if pin is not None and batch.plans:
+                batch.plans = [plan.pin_memory(pin) for plan in batch.plans]
+            yield batch
     finally:  # the loader's reader thread stops with it
         source.close()
 
@@ -44,7 +49,7 @@ class Sharded(DataParallel):
         return False  # each owner updates its rows from the gradients routed back to it
 
     def batches(self, loader, limit, start, pause_at):
-        source = routed_batches(loader, limit, self.embeddings, self.ctx.prefetch_group)
+        source = routed_batches(loader, limit, self.embeddings, self.ctx.prefetch_group, pin=self.embeddings.host_pin())
         lookahead = self.lookahead_groups()
         if lookahead:
             return Prefetcher(source, lookahead, self.embeddings.release, start, pause_at)

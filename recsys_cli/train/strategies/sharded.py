@@ -17,6 +17,7 @@ Checkpoints: every rank writes its own shards (shard_checkpoint.py), rank
 from __future__ import annotations
 
 from collections.abc import Generator
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,8 @@ def routed_batches(loader, limit: int, embeddings, group, pin=None) -> Generator
 
 class Sharded(DataParallel):
     mode = "sharded"
+    _shards: Path | None = None  # the shard directory of the checkpoint being written
+
 
     def averages_rows(self, group) -> bool:
         return False  # each owner updates its rows from the gradients routed back to it
@@ -80,6 +83,8 @@ class Sharded(DataParallel):
         return total
 
     def checkpoint_tables(self):
+        if self._shards is None:  # the tables live in the shard directory that checkpoint() writes first
+            raise RuntimeError("a sharded run's checkpoint state is built inside Sharded.checkpoint")
         return shard_checkpoint.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
 
     def report(self):

@@ -1,6 +1,7 @@
 """The thread default's evidence: compute threads x OpenMP wait policy, idle and beside a competitor.
 
-    .venv/bin/python -m bench.thread_policy_bench [--steps 300] [--rounds 2] [--competitors 0 1] [--record]
+    .venv/bin/python -m bench.thread_policy_bench [--steps 300] [--rounds 2] [--competitors 0 1]
+        [--policies default spin=1000] [--models dlrm_kaggle:1024 ...] [--record]
 
 The OpenMP wait policy is read once, when the runtime starts, so each policy
 runs in its own child process (OMP_WAIT_POLICY set, or removed for the
@@ -57,12 +58,12 @@ def run_child(policy: str, model: str, batch: int, rows: int, steps: int, rounds
 
 
 def run(rows: int, steps: int, rounds: int, competitors: list[int], threads: list[int],
-        policies: tuple[str, ...] = POLICIES) -> list[dict]:
+        policies: tuple[str, ...] = POLICIES, models: tuple[tuple[str, int], ...] = MODELS) -> list[dict]:
     out = []
     for busy in competitors:
         loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(busy)]
         try:
-            for model, batch in MODELS:
+            for model, batch in models:
                 model_steps = steps if batch <= 256 else max(20, steps // 8)
                 rates: dict[tuple[str, int], list[float]] = {}
                 for i, policy in enumerate(policies if busy % 2 == 0 else policies[::-1]):
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 .. the cores")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES),
                         help="default, PASSIVE, ACTIVE or spin=N (GOMP_SPINCOUNT=N)")
+    parser.add_argument("--models", nargs="+", default=[f"{m}:{b}" for m, b in MODELS], metavar="MODEL:BATCH")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -102,7 +104,8 @@ def main() -> None:
     from recsys_cli.train.threads import available_cores
 
     threads = args.threads or list(range(1, available_cores() + 1))
-    rows = run(args.rows, args.steps, args.rounds, args.competitors, threads, tuple(args.policies))
+    models = tuple((m, int(b)) for m, b in (spec.split(":") for spec in args.models))
+    rows = run(args.rows, args.steps, args.rounds, args.competitors, threads, tuple(args.policies), models)
     if args.record:
         from bench.record import record
 
@@ -110,7 +113,8 @@ def main() -> None:
                list(rows[0]), rows,
                f"python -m bench.thread_policy_bench --steps {args.steps} --rounds {args.rounds} "
                f"--competitors {' '.join(map(str, args.competitors))}"
-               + (f" --policies {' '.join(args.policies)}" if tuple(args.policies) != POLICIES else ""),
+               + (f" --policies {' '.join(args.policies)}" if tuple(args.policies) != POLICIES else "")
+               + (f" --models {' '.join(args.models)}" if models != MODELS else ""),
                note="Each wait policy in its own child process (the runtime reads OMP_WAIT_POLICY once), thread "
                     "counts alternated inside it; 'competitors': busy-loop processes running meanwhile; 'vs best': "
                     "the median against the best setting of the same model, batch and competitors.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import sys
 
-from recsys_cli import determinism
+from recsys_cli import determinism, wait_policy
 from recsys_cli.errors import UserError, fail, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
+    wait_policy.set_default()  # before torch loads its OpenMP runtime, which reads it once
     try:
         determinism.enable_if_requested()
         if command == "train":

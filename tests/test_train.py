@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import recsys_cli.device as device_module
+from recsys_cli import wait_policy
 from recsys_cli.device import has_bf16_path
 from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import roc_auc
@@ -65,6 +66,9 @@ def test_cli_train_writes_metrics_and_summary(tmp_path):
     assert summary["embedding_bytes"]["device"] > 0
     assert summary["config"]["trainer"]["max_steps"] == 60
     assert (tmp_path / "run" / "checkpoints" / "latest.json").exists()
+    # the entry point set the short spin count before torch loaded, unless this environment chose a policy
+    chosen = any(key in os.environ for key in wait_policy.USER_SETTINGS)
+    assert summary["openmp_wait"] == (wait_policy.in_force() if chosen else "GOMP_SPINCOUNT=1000")
 
 
 @pytest.mark.parametrize(

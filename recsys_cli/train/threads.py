@@ -3,18 +3,28 @@
 torch starts one intra-op thread per core. The trainer also keeps background
 threads busy on the same cores: the loader (reads parquet, dedups, plans
 the lookups), the lookahead prefetcher (fills the cache) and, with several
-processes, the plan-ahead thread. With as many compute threads as cores,
-every parallel op waits for a thread that a background thread has pushed
-off its core; on a loaded 2-core machine two compute threads beside the
-loader cut throughput by an order of magnitude (issue 18; BENCHMARKS.md,
-"compute threads", has the measurement behind the rule).
+processes, the plan-ahead thread. A compute thread that a background thread
+(or another process) has pushed off its core makes every parallel op wait
+for it, and a step of ~150 small ops waits often.
 
 The rule: the cores this process may use (its CPU affinity and cgroup
-quota), shared among the processes of this machine, minus one per busy
-background thread, and at least one. `trainer.threads=N` sets N instead;
-with OMP_NUM_THREADS in the environment (torchrun sets it) and no
-trainer.threads, torch's setting is kept. The count applies while fit()
-runs and is restored afterwards.
+quota), shared among the processes of this machine; then
+
+* a step whose matrix products come to WIDE_STEP_MACS multiply-adds or more
+  (dlrm_kaggle from batch 1024) takes every one of those cores: the products
+  are long enough that a second thread pays for its waits, with the short
+  spin count that `recsys` sets (wait_policy.py);
+* a narrower step leaves a core to each busy background thread (at least one
+  compute thread): there the second core's gain, 1.2x idle at dlrm_kaggle
+  batch 128, comes only with long spinning waits, and those collapse beside
+  any other busy process (0.23-0.37x).
+
+BENCHMARKS.md, "Compute threads x OpenMP wait policy", has the measurements.
+The count is a function of the config and the machine's cores, never of
+timing: a second thread changes how MKL splits a sum, so it changes the bits.
+`trainer.threads=N` sets N; with OMP_NUM_THREADS in the environment (torchrun
+sets it) and no trainer.threads, torch's setting is kept. The count applies
+while fit() runs and is restored afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +36,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from torch import nn
+
+# Two measured points bound it (2 cores, loader running, 1,000 spins): at dlrm_kaggle batch
+# 512 (2.4e8 multiply-adds) a second thread gains nothing idle and loses 0.78x beside a
+# busy process; at batch 1024 (4.9e8) it gains 1.25x idle and holds 0.87x beside one.
+WIDE_STEP_MACS = 400_000_000
 
 
 def available_cores() -> int:
@@ -44,13 +60,21 @@ def available_cores() -> int:
     return max(1, cores)
 
 
-def default_threads(cores: int, background: int, local_processes: int = 1) -> int:
-    """Compute threads that leave a core to each busy background thread."""
-    return max(1, cores // max(1, local_processes) - background)
+def matmul_macs_per_sample(model: nn.Module) -> int:
+    """Multiply-adds of the model's linear layers for one sample's forward pass."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def default_threads(cores: int, background: int, local_processes: int = 1, step_macs: int = 0) -> int:
+    """Every core of this process's share for a wide step, else one left to each
+    busy background thread (module docstring)."""
+    share = max(1, cores // max(1, local_processes))
+    return share if step_macs >= WIDE_STEP_MACS else max(1, share - background)
 
 
 @contextmanager
-def compute_threads(requested: Optional[int], background: int, local_processes: int = 1) -> Iterator[int]:
+def compute_threads(requested: Optional[int], background: int, local_processes: int = 1,
+                    step_macs: int = 0) -> Iterator[int]:
     """torch's intra-op threads for the duration of the block: `requested`,
     else the default rule (module docstring); yields the count in use."""
     previous = torch.get_num_threads()
@@ -59,7 +83,7 @@ def compute_threads(requested: Optional[int], background: int, local_processes: 
     elif "OMP_NUM_THREADS" in os.environ:
         threads = previous
     else:
-        threads = default_threads(available_cores(), background, local_processes)
+        threads = default_threads(available_cores(), background, local_processes, step_macs)
     torch.set_num_threads(threads)
     try:
         yield threads

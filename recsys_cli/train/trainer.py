@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from recsys_cli import wait_policy
 from recsys_cli.config import DROP_LAST_RANKS, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
@@ -43,7 +44,7 @@ from recsys_cli.train.preemption import Preempted, SigtermFlag
 from recsys_cli.train.progress import TrainProgress
 from recsys_cli.train.run_log import RunLog, StepLines
 from recsys_cli.train.schedule import LRSchedule
-from recsys_cli.train.threads import compute_threads
+from recsys_cli.train.threads import compute_threads, matmul_macs_per_sample
 from recsys_cli.train.throughput import ThroughputMeter
 from recsys_cli.train.training_data import training_data
 from recsys_cli.train.transfer import BatchCopier, pinning
@@ -193,7 +194,8 @@ class Trainer:
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
         busy = 1 + any(getattr(g, "lookahead", False) for g in self.embeddings.groups) + self.dist.enabled  # threads
-        with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size) as self.compute_threads, \
+        step_macs = matmul_macs_per_sample(self.model) * (self.cfg.trainer.batch_size // self.dist.world_size)  # a rank's slice
+        with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size, step_macs) as self.compute_threads, \
                 SigtermFlag() as self.sigterm:
             return self._fit()
 
@@ -575,6 +577,7 @@ class Trainer:
             "throughput": self.throughput.report(self.samples),
             "train_seconds": self.train_seconds,
             "compute_threads": self.compute_threads,
+            "openmp_wait": wait_policy.in_force(),
             "final": final,
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
             "embedding_bytes": self.embeddings.memory(),

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.threads_bench [--rows 200000] [--steps 300] [--rounds 3] [--record]
 
-The evidence behind the default of train/threads.py (cores minus one per busy
-background thread). One process trains short runs end to end through the
+The evidence behind the default of train/threads.py (every core for a wide
+step, else cores minus one per busy background thread). One process trains short runs end to end through the
 loader (its thread shares the cores), alternating the thread counts 1..cores
 in rounds, so a change in the machine's load hits every count alike; each
 run's figure is the trainer's steady state (train/throughput.py: after the
@@ -22,7 +22,7 @@ import statistics
 from omegaconf import OmegaConf
 
 from recsys_cli.config import TrainConfig
-from recsys_cli.train.threads import available_cores, default_threads
+from recsys_cli.train.threads import available_cores, default_threads, matmul_macs_per_sample
 from recsys_cli.train.trainer import Trainer
 
 MODELS = {"dlrm_small": 256, "dlrm_kaggle": 2048}
@@ -48,11 +48,12 @@ def steady_rate(cfg) -> float:
 
 def run(rows: int, steps: int, rounds: int) -> list[dict]:
     cores = available_cores()
-    rule = default_threads(cores, background=1)
     counts = list(range(1, cores + 1))
     out = []
     for model, batch in MODELS.items():
         model_steps = steps if batch <= 256 else max(20, steps // 8)
+        step_macs = matmul_macs_per_sample(Trainer(config(model, batch, rows, model_steps, 1)).model) * batch
+        rule = default_threads(cores, background=1, step_macs=step_macs)
         rates: dict[int, list[float]] = {n: [] for n in counts}
         for r in range(rounds):
             order = counts if r % 2 == 0 else counts[::-1]  # neither count always goes first

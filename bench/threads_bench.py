@@ -3,11 +3,12 @@
     .venv/bin/python -m bench.threads_bench [--rows 200000] [--steps 300] [--rounds 3] [--record]
 
 The evidence behind the default of train/threads.py (every core for a wide
-step, else cores minus one per busy background thread). One process trains short runs end to end through the
-loader (its thread shares the cores), alternating the thread counts 1..cores
-in rounds, so a change in the machine's load hits every count alike; each
-run's figure is the trainer's steady state (train/throughput.py: after the
-warm-up, no evaluation, no checkpoint). Two models: the default `make train`
+step, else cores minus one per busy background thread). One process trains
+short runs end to end through the loader (its thread shares the cores),
+alternating the thread counts 1..cores in rounds, so a change in the
+machine's load hits every count alike; each run's figure is the trainer's
+steady state (train/throughput.py: after the warm-up, no evaluation, no
+checkpoint). Two models: the default `make train`
 model (dlrm_small, batch 256) and dlrm_kaggle at batch 2048 (wider MLPs,
 where more threads have the most to give). Prints per-round figures, the
 median per count and the ratio to the default rule's count.

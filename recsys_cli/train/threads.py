@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 # Two measured points bound it (2 cores, loader running, 1,000 spins): at dlrm_kaggle batch
-# 512 (2.4e8 multiply-adds) a second thread gains nothing idle and loses 0.78x beside a
-# busy process; at batch 1024 (4.9e8) it gains 1.25x idle and holds 0.87x beside one.
+# 512 (2.4e8 multiply-adds) a second thread gains nothing idle and runs at 0.78x of one
+# beside a busy process; at batch 1024 (4.9e8) it gains 1.25x idle and holds 0.87x beside one.
 WIDE_STEP_MACS = 400_000_000
 
 

@@ -194,7 +194,8 @@ class Trainer:
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
         busy = 1 + any(getattr(g, "lookahead", False) for g in self.embeddings.groups) + self.dist.enabled  # threads
-        step_macs = matmul_macs_per_sample(self.model) * (self.cfg.trainer.batch_size // self.dist.world_size)  # a rank's slice
+        rank_batch = self.cfg.trainer.batch_size // self.dist.world_size  # each rank steps on its slice
+        step_macs = matmul_macs_per_sample(self.model) * rank_batch
         with compute_threads(self.cfg.trainer.threads, busy, self.dist.local_world_size, step_macs) as self.compute_threads, \
                 SigtermFlag() as self.sigterm:
             return self._fit()

@@ -101,6 +101,9 @@ def _save_worker(rank: int, port: int, checkpoint_dir: str) -> None:
         except Exception as e:
             failed = f"{type(e).__name__}: {e}"
         (Path(checkpoint_dir) / f"failed-{rank}.txt").write_text(failed)
+        # both ranks past their last collective before either closes its gloo pairs: a rank that
+        # tore the group down while the other was still in the failure's agreement aborted it once
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -58,7 +58,7 @@ class PlacementKind(Choice):
     device = "device"
     gpu = "gpu"  # old name of device
     host = "host"
-    uvm = "uvm"  # old name of host
+    uvm = "uvm"  # host memory the GPU addresses directly (CPU: host)
     lookahead = "lookahead"
     cache = "cache"
     disk = "disk"  # host cache in front of rows on disk
@@ -302,7 +302,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-PLACEMENTS = tuple(k.value for k in PlacementKind)  # gpu, uvm: old names
+PLACEMENTS = tuple(k.value for k in PlacementKind)  # gpu: old name of device
 PRECISIONS = tuple(k.value for k in PrecisionKind)
 CHOICES: dict[str, type[Choice]] = {
     "model.interaction": Interaction,

@@ -14,8 +14,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
+import sys
 import threading
 import time
+import types
+from collections import Counter
 
 import torch
 
@@ -76,11 +80,18 @@ class HostRuntime:
         self.device = torch.device(device)
         self._stream = HostStream()
         self.copies = dict.fromkeys(COPY_KINDS, 0)
+        self.copy_bytes = {"host_to_device": 0, "device_to_host": 0}  # what the copies moved, by direction
+        # where each pageable copy was made ("file:line function" of the caller): what to fix, in summary.json
+        self.pageable_sites: Counter[str] = Counter()
 
     def count_copy(self, direction: str, host_side: torch.Tensor) -> None:
         """One copy (direction "host_to_device" or "device_to_host") whose host tensor is `host_side`."""
         if self.pins_host:
-            self.copies[f"{direction}_{'pinned' if self.is_pinned(host_side) else 'pageable'}"] += 1
+            pinned = self.is_pinned(host_side)
+            self.copies[f"{direction}_{'pinned' if pinned else 'pageable'}"] += 1
+            self.copy_bytes[direction] += host_side.numel() * host_side.element_size()
+            if not pinned:
+                self.pageable_sites[f"{direction} {_caller()}"] += 1
 
     def to_device(self, tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         """`tensor` on the device, asynchronously when it is pinned; counted when it was on the host."""
@@ -101,6 +112,15 @@ class HostRuntime:
 
     def event(self, timing: bool = False):
         return HostEvent(timing)
+
+    def recorded(self, stream=None, timing: bool = False):
+        """A new event, already recorded on `stream` (default: the current one).
+        Publish an event another thread waits on only in this state: one
+        assigned first and recorded after may be read in between, and a wait
+        on an event never recorded waits for nothing."""
+        event = self.event(timing)
+        event.record(self.current_stream() if stream is None else stream)
+        return event
 
     def new_stream(self):
         return self._stream
@@ -127,6 +147,13 @@ class HostRuntime:
     def allocated(self) -> dict[str, int] | None:
         """Bytes the allocators hold now and at their peak: device memory and
         pinned host memory (None on CPU, where the process's RSS is the measure)."""
+        return None
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor | None:
+        """`host` (page-locked, from empty_pinned) as a device tensor over the
+        same memory, no copy: the device's kernels read and write the host
+        pages over the bus (placement=uvm). None where there is no such view
+        (CPU: host memory is the device's memory already)."""
         return None
 
 
@@ -190,8 +217,15 @@ class RegisteredHostMemory:
             self.current -= length
 
 
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: the pages in the device's address space too (UVM)
+
+
 def _cuda_host_register(address: int, length: int) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(address, length, 0)
+    # Mapped, so a uvm table's kernels can address the pages (device_view);
+    # a device that cannot map host memory still gets them page-locked.
+    err = torch.cuda.cudart().cudaHostRegister(address, length, CUDA_HOST_REGISTER_MAPPED)
+    if int(err) != 0:
+        err = torch.cuda.cudart().cudaHostRegister(address, length, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {length} bytes failed: {err}")
 
@@ -238,6 +272,19 @@ class CudaRuntime(HostRuntime):
         """Page-locked memory of this size, not a power of two (RegisteredHostMemory)."""
         return registered_host_memory().empty(shape, dtype)
 
+    def device_view(self, host: torch.Tensor) -> torch.Tensor | None:
+        if host.numel() == 0:
+            return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        if not host.is_contiguous():
+            return None
+        pointer = mapped_device_pointer(host.data_ptr(), self.device)
+        if pointer is None:
+            return None
+        view = torch.as_tensor(_MappedHostArray(host, pointer), device=self.device)
+        # as_tensor would copy rather than fail if it could not take the
+        # memory as it is; a copy is not a view
+        return view if view.data_ptr() == pointer else None
+
     def allocated(self) -> dict[str, int]:
         host = torch.cuda.host_memory_stats()  # pin_memory()'s blocks (batches)
         registered = registered_host_memory()  # empty_pinned's pages (tables, staging buffers)
@@ -248,6 +295,48 @@ class CudaRuntime(HostRuntime):
             # the sum of the two peaks: at least the peak of the sum
             "pinned_host_peak": host.get("active_bytes.peak", 0) + registered.peak,
         }
+
+
+_TYPESTR = {torch.float32: "<f4", torch.float16: "<f2", torch.int8: "|i1", torch.uint8: "|u1",
+            torch.int64: "<i8", torch.int32: "<i4"}
+
+
+class _MappedHostArray:
+    """A device pointer to page-locked host memory, in the CUDA array
+    interface that torch.as_tensor takes without copying; it holds the host
+    tensor, so the pages (and their registration) live as long as the
+    device tensor made from it."""
+
+    def __init__(self, host: torch.Tensor, pointer: int) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": _TYPESTR[host.dtype],
+                                         "data": (pointer, False), "version": 2, "strides": None}
+
+
+CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+_libcuda: ctypes.CDLL | None = None
+
+
+def mapped_device_pointer(address: int, device: torch.device) -> int | None:
+    """The device's address of registered host memory at `address`
+    (cuMemHostGetDevicePointer, the CUDA driver's), or the host address
+    itself where the device says it can use that (unified addressing,
+    CanUseHostPointerForRegisteredMem); None when neither holds."""
+    global _libcuda
+    try:
+        _libcuda = _libcuda or ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    torch.cuda.synchronize(device)  # the runtime's primary context current on this thread, for the driver calls
+    pointer = ctypes.c_uint64()
+    if _libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(address), 0) == 0:
+        return pointer.value
+    usable = ctypes.c_int()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _libcuda.cuDeviceGetAttribute(ctypes.byref(usable), CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                                     index) == 0 and usable.value:
+        return address
+    return None
 
 
 def allocated_by(runtime: HostRuntime, build):
@@ -261,19 +350,60 @@ def allocated_by(runtime: HostRuntime, build):
     return result, {tier: after[tier] - before[tier] for tier in ("device", "pinned_host")}
 
 
-def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
-    """trainer.device (auto, cpu, cuda, cuda:N) as a device; `one_of_many`:
-    this process is one rank of several, each on the CUDA device its
-    launcher selected (torch.cuda.current_device())."""
-    if name == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"trainer.device={name} but no CUDA device is available (use trainer.device=auto or cpu)")
-    else:
-        device = torch.device(name)
-    if one_of_many and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+def with_index(device: torch.device | str) -> torch.device:
+    """`device` naming its index: `cuda` is the current GPU. Tensors on `cuda`
+    and `cuda:0` live on one GPU, but the two devices compare unequal, so
+    every "is this tensor where the table is?" must see one spelling."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def parse_device(name: str) -> torch.device:
+    """trainer.device as written (auto, cpu, cuda, cuda:N) as a device, with
+    no index chosen: auto is cuda when a GPU is present, else cpu. Anything
+    else is a one-line UserError."""
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise UserError(f"trainer.device={name} is not a device: give auto, cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
+    """The device this process trains on, always with its index: tensors on
+    `cuda` and `cuda:0` are on the same GPU, but the devices compare unequal,
+    so code that asks "is this tensor where the table is?" must see one
+    spelling. A single process on cuda:N makes N the current device (the
+    streams and the caching allocator follow it). `one_of_many`: this process
+    is one rank of several, each on the GPU its launcher selected
+    (torch.cuda.current_device(), set from its local rank), so naming one
+    GPU for all of them is refused."""
+    device = parse_device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"trainer.device={name} but no CUDA device is available (use trainer.device=auto or cpu)")
+    if one_of_many:
+        if device.index is not None:
+            raise UserError(one_gpu_for_many(name))
+        return torch.device("cuda", torch.cuda.current_device())
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise UserError(f"trainer.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def one_gpu_for_many(name: str) -> str:
+    return (f"trainer.device={name} names one GPU, but several processes train one GPU each (rank r takes "
+            "cuda:<local rank>): use trainer.device=cuda, or one process")
 
 
 def has_bf16_path(device: torch.device) -> bool:
@@ -329,8 +459,7 @@ class PinnedStaging:
         buffer may be rewritten once that copy is done."""
         self.runtime.count_copy("host_to_device", view)
         out = view.to(device, non_blocking=True, copy=True)  # copy: on CPU too, never an alias of the buffer
-        self._copied = self.runtime.event()
-        self._copied.record(self.runtime.current_stream())
+        self._copied = self.runtime.recorded()
         return out
 
     def from_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -338,6 +467,24 @@ class PinnedStaging:
         current stream, asynchronously: read it only once an event recorded
         after this is done. Valid until the next take()."""
         return self.runtime.to_host(tensor, out=self.take(tensor.shape[0]))
+
+
+def _caller() -> str:
+    """The first frame outside this module and transfer.py: who asked for the copy."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.endswith(("device.py", "transfer.py")):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def pageable_sites(runtimes) -> dict[str, int]:
+    """Where the pageable copies of several runtimes were made, most first."""
+    total: Counter[str] = Counter()
+    for r in {id(r): r for r in runtimes if r is not None}.values():
+        total.update(r.pageable_sites)
+    return dict(total.most_common())
 
 
 def sum_copies(runtimes) -> dict[str, int]:

@@ -237,3 +237,70 @@ def test_every_host_device_copy_of_the_step_is_counted_and_none_is_pageable():
         assert copies["host_to_device_pageable"] == 0 and copies["device_to_host_pageable"] == 0, (placement, copies)
         assert sum(copies.values()) == watch.moves, (placement, copies, watch.moves)
         assert copies["device_to_host_pinned"] > 0 and copies["host_to_device_pinned"] > 0
+
+
+def test_an_event_another_thread_waits_on_is_recorded_before_it_is_published():
+    """The prefetcher waits on `last_use` (and the trainer on `last_fill` and
+    a staging buffer's copy event) from another thread: an event that is
+    assigned first and recorded after can be read in between, and a wait on
+    an event never recorded waits for nothing, so a fill could overwrite
+    slots the compute stream still reads. Every record must happen before
+    the event is visible where the other thread looks."""
+    for placement in ({"kind": "lookahead", "cache_rows": 150, "window": 1}, {"kind": "cache", "cache_rows": 150}):
+        model, group = _group(placement)
+        runtime = RecordingRuntime()
+        group.use_runtime(runtime, side_stream=True)
+        staging = [s for pair in (group.fill_staging, group.step_staging, group.back_staging) if pair for s in pair]
+        published_early = []
+        make = runtime.event
+
+        def event(timing=False):
+            e = make(timing)
+            inner = e.record
+
+            def record(stream=None):
+                visible = [group.last_use, group.last_fill, *(s._copied for s in staging)]
+                if any(v is e for v in visible):
+                    published_early.append(e.name)
+                inner(stream)
+
+            e.record = record
+            return e
+
+        runtime.event = event
+        for batch in make_batches(10):
+            batch = model.embeddings.plan_batch(batch)
+            if group.lookahead:
+                group.prepare(batch.plans[0])
+            _step(model, group, batch)
+        assert group.stats()["rows_written_back"] > 0 and group.last_use is not None
+        assert published_early == [], placement
+
+
+def test_an_evaluations_reads_copy_through_pinned_buffers():
+    """Evaluation reads rows with group.read: a host table's rows and a cache's
+    misses go to the device through pinned staging, never as a pageable
+    (synchronous) copy."""
+    for placement in ({"kind": "host"}, {"kind": "cache", "cache_rows": 150}, {"kind": "lookahead", "cache_rows": 150,
+                                                                               "window": 1}):
+        model, _ = build(placement, optimizer="adagrad")
+        group = model.embeddings.groups[0]
+        runtime = RecordingRuntime()
+        group.use_runtime(runtime, **({"side_stream": True} if isinstance(group, CachedGroup) else {}))
+        for batch in make_batches(3):
+            batch = model.embeddings.plan_batch(batch)
+            if isinstance(group, CachedGroup):
+                group.prepare(batch.plans[0])
+            _step_any(model, batch)
+        with torch.no_grad():
+            for batch in make_batches(2, seed=5):
+                model.embeddings(model.embeddings.plan_batch(batch))  # not recording: group.read
+        assert runtime.copies["host_to_device_pageable"] == 0, (placement, runtime.pageable_sites)
+        assert runtime.copies["host_to_device_pinned"] > 0
+
+
+def _step_any(model, batch) -> None:
+    pooled = model.embeddings(batch)
+    (pooled.float() ** 2).sum().backward()
+    model.embeddings.step()
+    model.embeddings.release(batch)

@@ -214,8 +214,8 @@ def test_pinned_batches_train_like_unpinned_ones():
 # --- the host placement's staging buffers ----------------------------------------------
 def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_after_its_copy():
     runtime = RecordingRuntime()
-    reference, _ = build({"kind": "uvm"}, optimizer="adagrad")
-    staged, _ = build({"kind": "uvm"}, optimizer="adagrad")
+    reference, _ = build({"kind": "host"}, optimizer="adagrad")
+    staged, _ = build({"kind": "host"}, optimizer="adagrad")
     group = staged.embeddings.groups[0]
     group.use_runtime(runtime)
     for batch in make_batches(6):
@@ -246,6 +246,62 @@ def test_host_rows_are_gathered_into_one_reused_pinned_buffer_rewritten_only_aft
                               "device_to_host_pinned": 2 * 6, "device_to_host_pageable": 0}
 
 
+class MappingRuntime(RecordingRuntime):
+    """A recording runtime whose pinned host memory the "device" addresses
+    directly (CudaRuntime.device_view's stand-in: the view is the tensor)."""
+
+    def device_view(self, host):
+        self.log.append(("device_view", host.numel() * host.element_size()))
+        return host
+
+
+def test_uvm_trains_with_kernels_over_host_memory_and_copies_nothing_per_step():
+    """placement=uvm: the table is built once in pinned host memory and then
+    addressed by the device, so a step gathers and updates rows with no
+    copy (no staging, no host gather), and trains exactly as the host
+    placement's copies do."""
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import PlacementConfig, PrecisionConfig
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import make_group
+    from recsys_cli.embeddings.table_init import TableSpec
+    from recsys_cli.embeddings.tables import DirectGroup
+    from recsys_cli.errors import UserError
+
+    specs = [TableSpec(f, v, 8) for f, v in zip(FEATURES, VOCAB)]
+    prec = OmegaConf.structured(PrecisionConfig)
+    groups = {}
+    for kind, runtime in (("uvm", MappingRuntime()), ("host", RecordingRuntime())):
+        place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": kind})
+        group = make_group(kind, "fp32", specs, place, prec, RowOptimizer("adagrad", 0.1), torch.device("cpu"), 0,
+                           runtime=runtime)
+        group.use_runtime(runtime)
+        groups[kind] = (group, runtime)
+    uvm, mapping = groups["uvm"]
+    assert isinstance(uvm, DirectGroup) and uvm.store.mapped and uvm.staging is None
+    assert sum(e[1] for e in mapping.log if e[0] == "alloc_pinned") == uvm.store.nbytes()  # pinned, built in place
+    assert sum(e[1] for e in mapping.log if e[0] == "device_view") == uvm.store.nbytes()  # then mapped, not copied
+    mapping.log.clear()
+    planner, _ = build({"kind": "host"})  # one group of every table, in the same fused row order
+    for batch in make_batches(6):
+        plan = planner.embeddings.plan_batch(batch).plans[0]
+        for group, _ in groups.values():
+            rows = group.gather(plan).requires_grad_()
+            (rows ** 2).sum().backward()
+            group.update(plan, rows.detach(), rows.grad)
+    assert mapping.copies == dict.fromkeys(mapping.copies, 0)  # not one copy in six steps
+    assert not [e for e in mapping.log if e[0] in ("synchronize", "alloc_pinned", "pin")]
+    assert groups["host"][1].copies["host_to_device_pinned"] > 0  # the host placement copies every step
+    for name in FEATURES:
+        assert torch.equal(uvm.table_state()[name]["weights"], groups["host"][0].table_state()[name]["weights"])
+    # a pinned runtime that cannot map host memory: refused in one line, not silently a host gather
+    place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "uvm"})
+    with pytest.raises(UserError, match="cannot address host memory directly.*placement=host"):
+        make_group("uvm", "fp32", specs, place, prec, RowOptimizer("adagrad", 0.1), torch.device("cpu"), 0,
+                   runtime=RecordingRuntime())
+
+
 def test_staging_grows_geometrically_and_hands_out_views_of_one_buffer():
     from recsys_cli.device import PinnedStaging
 
@@ -262,9 +318,11 @@ def test_staging_grows_geometrically_and_hands_out_views_of_one_buffer():
     assert torch.equal(copy, torch.ones(10, 4))  # a copy, never an alias of the buffer
 
 
-def test_device_runs_of_the_host_placement_match_cpu():
+@pytest.mark.parametrize("kind", ["host", "uvm"])
+def test_device_runs_of_the_host_placement_match_cpu(kind):
     """RECSYS_TEST_DEVICE=cuda: pinned batches copied on the copy stream and
-    host rows staged give the CPU's rows (to float tolerance)."""
+    host rows staged (host), or gathered and updated by kernels over mapped
+    host memory (uvm), give the CPU's rows (to float tolerance)."""
     if TEST_DEVICE.type == "cpu":
         pytest.skip("runs with RECSYS_TEST_DEVICE=cuda (make gpu-check)")
     from omegaconf import OmegaConf
@@ -276,8 +334,12 @@ def test_device_runs_of_the_host_placement_match_cpu():
     batches, _ = _planned_batches()
     got = []
     for device in (torch.device("cpu"), TEST_DEVICE):
-        emb = build_embeddings(FEATURES, VOCAB, 8, OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "uvm"}),
+        emb = build_embeddings(FEATURES, VOCAB, 8, OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": kind}),
                                OmegaConf.structured(PrecisionConfig), RowOptimizer("adagrad", 0.1), device, 0)
+        if device.type == "cuda" and kind == "uvm":
+            store = emb.groups[0].store
+            assert store.mapped and store.rows.weights.device == emb.groups[0].device  # a view, no device copy
+            assert emb.groups[0].runtime.copies == dict.fromkeys(emb.groups[0].runtime.copies, 0)
         copier = BatchCopier(device)
         for batch in batches:
             b = copier.to_device(pinning(copier.runtime)(batch))
@@ -310,7 +372,7 @@ def test_bytes_per_tier_come_from_the_allocators_where_there_are_any():
     assert allocated_by(HostRuntime(), lambda: "cpu") == ("cpu", None)  # CPU: RSS is the measure
 
 
-@pytest.mark.parametrize("kind, precision", [("uvm", "fp32"), ("lookahead", "fp32"), ("cache", "int8"), ("uvm", "int4")])
+@pytest.mark.parametrize("kind, precision", [("host", "fp32"), ("lookahead", "fp32"), ("cache", "int8"), ("uvm", "int4")])
 def test_a_host_table_is_pinned_once_in_place_never_copied_to_pin(kind, precision):
     from omegaconf import OmegaConf
 
@@ -383,9 +445,9 @@ def test_pinned_host_tables_lock_their_size_not_the_next_power_of_two(monkeypatc
     assert driver.seen_at_unregister == [torch.tensor([1.5]).numpy().tobytes()]
     # A host table built for a CUDA run: one locked range per tensor, each its own size.
     specs = [TableSpec("a", 5000, 16), TableSpec("b", 3000, 16)]
-    place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "uvm"})
+    place = OmegaConf.merge(OmegaConf.structured(PlacementConfig), {"kind": "host"})
     prec = OmegaConf.structured(PrecisionConfig)
-    group = make_group("uvm", "fp32", specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
+    group = make_group("host", "fp32", specs, place, prec, RowOptimizer("adagrad"), torch.device("cpu"), 0,
                        runtime=runtime)
     sizes = sorted(t.numel() * t.element_size() for t in (group.store.rows.weights, group.store.state))
     assert sorted(driver.locked.values()) == [-(-n // mmap.PAGESIZE) * mmap.PAGESIZE for n in sizes]

@@ -360,6 +360,69 @@ def test_process_count_check_cores_devices_and_torchrun(monkeypatch, tmp_path):
         check(config(tmp_path, trainer__device="cuda", trainer__oversubscribe=True))
 
 
+def test_one_named_gpu_for_several_processes_is_refused_and_one_process_uses_the_gpu_it_names(monkeypatch, tmp_path):
+    """trainer.device=cuda:0 with several processes would put every rank on
+    GPU 0 (and pick gloo): the config refuses it, and so does the check for a
+    config built as a library (one line). One process on cuda:1 makes
+    GPU 1 current and trains on a device that names its index, so `cuda` and
+    `cuda:0` are never two spellings of one GPU in the run."""
+    from recsys_cli import device as dev
+
+    for var in distributed.AGENT_ENV + ("LOCAL_WORLD_SIZE",):
+        monkeypatch.delenv(var, raising=False)
+    from types import SimpleNamespace
+
+    from omegaconf.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="cuda:0"):  # the config takes auto, cpu or cuda (CUDA_VISIBLE_DEVICES picks)
+        config(tmp_path, trainer__nproc=2, trainer__device="cuda:0")
+    as_a_library = SimpleNamespace(trainer=SimpleNamespace(nproc=2, device="cuda:0", oversubscribe=False),
+                                   placement=SimpleNamespace(sharding="replicated"))
+    with pytest.raises(UserError, match=r"trainer.device=cuda:0 names one GPU.*use trainer.device=cuda"):
+        distributed.check_process_count(as_a_library)
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: selected[-1] if selected else 0)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    assert dev.resolve_device("cuda:1") == torch.device("cuda", 1) and selected == [1]
+    assert dev.resolve_device("cuda") == torch.device("cuda", 1)  # the current one, with its index
+    assert dev.resolve_device("auto", one_of_many=True) == torch.device("cuda", 1)  # the launcher's choice
+    with pytest.raises(UserError, match="names one GPU"):
+        dev.resolve_device("cuda:0", one_of_many=True)
+    with pytest.raises(UserError, match="has 2 CUDA device"):
+        dev.resolve_device("cuda:5")
+    with pytest.raises(UserError, match="trainer.device=gpu is not a device"):
+        dev.resolve_device("gpu")
+
+
+def test_the_launcher_config_builds_on_the_oldest_supported_torch(monkeypatch):
+    """torch 2.11 (the floor: the GPU box's) has no LaunchConfig.shutdown_timeout;
+    the launcher sets what the installed release has, and the newer fields
+    only where they exist. The fields are 2.11's, as the device check recorded them."""
+    import dataclasses
+
+    import torch.distributed.launcher.api as launcher_api
+
+    fields = [f for f in dataclasses.fields(launcher_api.LaunchConfig) if f.name in TORCH_2_11_LAUNCH_FIELDS]
+    assert [f.name for f in fields] == [n for n in TORCH_2_11_LAUNCH_FIELDS]  # still there, in this order
+    old = dataclasses.make_dataclass("LaunchConfig", [(f.name, f.type, f) for f in fields])
+    monkeypatch.setattr(launcher_api, "LaunchConfig", old)
+    config = distributed.launch_config(2)
+    assert config.nproc_per_node == 2 and config.max_restarts == 0 and not hasattr(config, "shutdown_timeout")
+    monkeypatch.undo()
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(launcher_api.LaunchConfig)}:
+        assert distributed.launch_config(2).shutdown_timeout == distributed.PREEMPTION_WAIT_S
+
+
+TORCH_2_11_LAUNCH_FIELDS = [
+    "min_nodes", "max_nodes", "nproc_per_node", "logs_specs", "run_id", "role", "rdzv_endpoint", "rdzv_backend",
+    "rdzv_configs", "rdzv_timeout", "max_restarts", "monitor_interval", "start_method", "log_line_prefix_template",
+    "metrics_cfg", "local_addr", "event_log_handler", "numa_options", "signals_to_handle", "duplicate_stdout_filters",
+    "duplicate_stderr_filters", "virtual_local_rank",
+]
+
+
 @pytest.mark.slow  # several processes
 def test_a_failing_rank_stops_the_run(cache_dir):
     """The launcher ends the run when one rank fails; the others do not wait for

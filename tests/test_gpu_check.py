@@ -27,7 +27,7 @@ def test_the_dry_check_runs_every_stage_on_cpu_and_reports_each(tmp_path):
     assert all(st["status"] == "passed" and st["seconds"] < st["timeout_s"] for st in report["stages"])
     assert report["ok"] and report["exit_code"] == 0 and report["dry"]
     stages = {st["name"]: st for st in report["stages"]}
-    assert stages["exact"]["details"]["checks"] == {f"fp32 {p} == device": True for p in ("lookahead", "cache", "host")}
+    assert stages["exact"]["details"]["checks"] == {f"fp32 {p} == device": True for p in ("lookahead", "cache", "host", "uvm")}
     assert stages["determinism"]["details"]["checks"] == {"int8 lookahead run == run": True}
     assert all(stages[f"speed: {n}"]["details"]["samples_per_second"] > 0 for n in gpu_check.SPEED_SYSTEMS)
     assert stages["overlap"]["details"]["fill_ranges"] > 0  # the fill copies are named in the trace
@@ -107,7 +107,11 @@ def test_overlap_counts_only_fill_copies_under_compute_kernels():
     got = gpu_check.fill_overlap(events)
     # fills: 50..170 (50 + 20 us under kernels) and 400..440 (none); the batch copy is not a fill
     assert got["fill_copies"] == 2 and got["fill_copy_us"] == 160 and got["compute_stream"] == 7
-    assert got["overlapped_share"] == pytest.approx(70 / 160) and got["ok"]
+    assert got["overlapped_share"] == pytest.approx(70 / 160)
+    assert not got["ok"] and "goal 80%" in got["error"]  # under the goal: the stage fails
+    busy = events + [_event("kernel", "k", 100, 50, stream=7), _event("kernel", "k", 380, 80, stream=7)]
+    covered = gpu_check.fill_overlap(busy)
+    assert covered["overlapped_share"] == pytest.approx(1.0) and covered["ok"] and covered.get("error") is None
     serial = gpu_check.fill_overlap([e for e in events if e["args"].get("correlation") != 1])
     assert not serial["ok"] and serial["overlapped_share"] == 0.0  # a fill after compute overlaps nothing
     unnamed = gpu_check.fill_overlap([e for e in events if e["name"] != fill])

@@ -389,3 +389,37 @@ def test_routed_plans_are_pinned_where_the_device_reads_them():
     assert len(out) == 2 and pinned == ["the runtime's pin"] * 4
     pinned.clear()
     assert len(list(routed_batches(range(3), 3, embeddings, None))) == 3 and not pinned  # CPU: nothing pinned
+
+
+def test_a_rank_that_owns_no_shard_returns_pooled_rows_on_the_models_device(monkeypatch):
+    """Table-wise sharding with more ranks than tables leaves a rank without
+    a shard: its pooled rows (all received from the owners) must still be on
+    the device the dense model runs on, not on the CPU. The device here is
+    `meta` (no data), standing in for a GPU; the all-to-all is faked."""
+    from types import SimpleNamespace
+
+    from bench.gpu_check import _check_batch
+    from recsys_cli.data.batch import Batch
+    from recsys_cli.embeddings import sharded
+    from recsys_cli.embeddings.sharding import plan_shards
+
+    def exchange(send, send_splits, recv_splits, group):
+        if send_splits == [2] * world:  # the sizes: every rank has a slice as large as this one's
+            return send.clone()
+        return torch.zeros(sum(recv_splits), dtype=send.dtype, device=send.device)  # ids, rows: zeros, where `send` is
+
+    monkeypatch.setattr(sharded, "_all_to_all", exchange)
+    features, vocab, dim = SHARDED_CHECK_TABLES
+    world = len(features) + 1
+    place = SimpleNamespace(kind="device", sharding="table", device_memory_budget=None)
+    prec = SimpleNamespace(kind="fp32")
+    plan = plan_shards("table", list(zip(features, vocab)), {f: 16 for f in features}, world)
+    idle = next(r for r in range(world) if not plan.owned(r))
+    collection = build_sharded_embeddings(features, vocab, dim, place, prec, RowOptimizer("sgd"), torch.device("meta"),
+                                          0, idle, world, None)
+    kjt = _check_batch()
+    batch = collection.route(collection.plan_batch(Batch(torch.zeros(kjt.stride, 1), kjt, torch.zeros(kjt.stride))),
+                             None)
+    pooled = collection(batch)
+    assert collection.local is None and pooled.device.type == "meta"
+    assert pooled.shape == (kjt.stride, len(features), dim)

@@ -360,8 +360,7 @@ class CachedGroup(TableGroup):
 
     def _record_fill(self) -> None:
         if self.side_stream is not None:
-            self.last_fill = self.runtime.event()
-            self.last_fill.record(self.side_stream)
+            self.last_fill = self.runtime.recorded(self.side_stream)
 
     def _wait_fills(self) -> None:
         """The current stream waits for every fill so far (readers outside a plan)."""
@@ -371,8 +370,7 @@ class CachedGroup(TableGroup):
     def _used(self) -> None:
         """The compute stream just read or wrote slots: later loads and write-backs wait for it."""
         if self.side_stream is not None:
-            self.last_use = self.runtime.event()
-            self.last_use.record(self.runtime.current_stream())
+            self.last_use = self.runtime.recorded()
 
     # --- filling -------------------------------------------------------------
     def prepare(self, plan: LookupPlan) -> "Fill":
@@ -490,8 +488,7 @@ class CachedGroup(TableGroup):
             if not self.admit_all:
                 plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
-                plan.ready = self.runtime.event()
-                plan.ready.record(self.side_stream)
+                plan.ready = self.runtime.recorded(self.side_stream)
         self.counters["prepare_seconds"] += time.perf_counter() - start
         return Fill(slots, loaded)
 
@@ -678,8 +675,7 @@ class CachedGroup(TableGroup):
             dev_slots = self._pinned_to_device(slots)
             rows = self._off_device(self.cache_rows.index_select(0, dev_slots), staging[0])
             state = self._off_device(self.cache_state.index_select(0, dev_slots), staging[1])
-            copied = self.runtime.event()
-            copied.record(self.runtime.current_stream())
+            copied = self.runtime.recorded()
         self.dirty[slots] = False
         self.counters["rows_written_back"] += slots.numel()
         if self.store_tier == "host":
@@ -769,8 +765,7 @@ class CachedGroup(TableGroup):
         direct_rows = self._off_device(rows.index_select(0, served.direct_at), staging[0])
         direct_state = self._off_device(state.index_select(0, served.direct_at), staging[1])
         if self.store_staging is not None:  # the host store is written from the pinned copies once they land
-            copied = self.runtime.event()
-            copied.record(self.runtime.current_stream())
+            copied = self.runtime.recorded()
             copied.synchronize()
         self.store.write(direct, direct_rows, direct_state, plan.batch_index)
 
@@ -837,7 +832,8 @@ class CachedGroup(TableGroup):
             miss_at = torch.nonzero(slots < 0).flatten()
             rows = torch.empty(ids.numel(), self.dim, device=self.device)
             if miss_at.numel():
-                from_store = self._to_device(self.store.read_rows(self._to_store_device(ids[miss_at.to(ids.device)])))
+                from_store = self._to_device(self.store.read_rows(self._to_store_device(ids[miss_at.to(ids.device)])),
+                                             self.step_staging and self.step_staging[0])  # the trainer's: pinned
                 rows.index_copy_(0, self._pinned_to_device(miss_at), from_store)
             if hit_at.numel():
                 self._wait_fills()

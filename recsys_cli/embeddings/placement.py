@@ -9,9 +9,11 @@ other placement an on-demand cache of precision.cache_ratio of its rows.
 
 Placements: `device` (alias `gpu`) keeps the store in device memory; `host`
 keeps it in host memory (pinned on CUDA) and gathers the batch's rows there
-and copies them to the device every step, writing their updates back: a
-host gather, not CUDA unified memory (`uvm` is accepted as its old name);
-`lookahead` and `cache` put host tables behind an fp32 device cache.
+and copies them to the device every step, writing their updates back; `uvm`
+keeps it in host memory that the GPU addresses directly, so the gather and
+the row update are kernels reading and writing the host pages over the bus
+(no copy, no host gather; on CPU it is `host`); `lookahead` and `cache` put
+host tables behind an fp32 device cache.
 
 Admission (one owner per row, see cache.py): an fp32 table's cache admits
 every row a batch needs; a low-precision table's cache admits what it has
@@ -39,11 +41,11 @@ from recsys_cli.errors import UserError
 DEFAULT_CACHE_RATIO = {"fp16": 0.05, "int8": 0.05, "int4": 0.01}
 
 
-ALIASES = {"gpu": "device", "uvm": "host"}
+ALIASES = {"gpu": "device"}
 
 
 def canonical(kind: str) -> str:
-    """A placement's name, with old names and aliases mapped (gpu, uvm)."""
+    """A placement's name, with old names mapped (gpu)."""
     return ALIASES.get(kind, kind)
 
 
@@ -114,7 +116,7 @@ def make_group(kind, table_precision, specs, placement, precision, optimizer, de
         size = cache_size([(t.name, t.num_rows) for t in specs],
                           cache_rows if cache_rows is not None else placement.cache_rows, placement.cache_ratio,
                           batch_ids, placement.window if kind == "lookahead" else 1)
-    host = kind in ("host", "lookahead", "cache")
+    host = kind in ("host", "uvm", "lookahead", "cache")
     store_device = torch.device("cpu") if host else device
     runtime = runtime or runtime_for(device)
     # A host table on a CUDA run lives in pinned memory, allocated so and built in place: one copy, not two.
@@ -124,6 +126,10 @@ def make_group(kind, table_precision, specs, placement, precision, optimizer, de
         table_precision, precision.rounding, seed, table_rows, empty, store_device,
     )
     build_initial_rows(specs, seed, store.write_initial, into=store.initial_view, workers=torch.get_num_threads())
+    if kind == "uvm" and table_precision == "fp32" and runtime.pins_host:  # built on the host, then addressed by the GPU
+        if not store.map_to_device(runtime.device_view, device):
+            raise UserError(f"placement uvm: {device} cannot address host memory directly (no mapped pointer for "
+                            "registered host memory): use placement=host, which copies the rows instead")
     args = dict(tables=specs, feature_tables=names, store=store, optimizer=optimizer, device=device)
     if kind in ("lookahead", "cache") or table_precision != "fp32":
         from recsys_cli.embeddings.cache import CachedGroup, cache_slots

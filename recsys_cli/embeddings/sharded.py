@@ -99,9 +99,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     after its table); groups, caches, checkpoints and statistics are its."""
 
     def __init__(self, features: list[str], dim: int, plan: ShardPlan, rank: int,
-                 local: EmbeddingBagCollection | None, group) -> None:
+                 local: EmbeddingBagCollection | None, group, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.features, self.dim, self.plan, self.rank, self.group = list(features), dim, plan, rank, group
+        # where the pooled rows go (the dense model's device), also on a rank that owns no shard
+        self.device = torch.device(device)
         self.shard_plan: ShardPlan | None = plan
         self.world_size = plan.world_size
         self.local = local
@@ -125,6 +127,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if min(seen, default=1) < 1:
             raise ValueError("the shard plan leaves a feature without an owner")
         self._later = [(torch.tensor([f for f, _ in k]), torch.tensor([c for _, c in k])) for k in later]
+        self._columns_device: tuple | None = None  # (device, first, later) on the pooled rows' device
         # Cutting ids by shard in a few whole-batch ops (plan_batch): shards numbered rank by rank
         # ("slots", the order of the payloads), found by their first row in a fused row space.
         slots = [s for shards in self.owned for s in shards]
@@ -219,17 +222,26 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.local is not None:
             owner = self.local.pool(batch.plans, total)
         else:
-            owner = torch.zeros(total, 0, self.dim, device=self._device(), requires_grad=torch.is_grad_enabled())
+            owner = torch.zeros(total, 0, self.dim, device=self.device, requires_grad=torch.is_grad_enabled())
         received = PooledExchange.apply(owner, route.batch_sizes, [len(s) for s in self.owned], self.rank, self.group)
         if torch.is_grad_enabled():  # a training step: the gradients go back the same way
             mine = route.batch_sizes[self.rank] * owner.shape[1] * self.dim * owner.element_size()
             self.train_steps += 1
             self.ids_bytes_sent += route.bytes_sent
             self.pooled_bytes_sent += owner.numel() * owner.element_size() - mine  # rows for the other ranks
-        pooled = received.index_select(1, self._first.to(received.device))
-        for features, columns in self._later:  # row-wise partial sums, in rank order
-            pooled = pooled.index_add(1, features.to(received.device), received.index_select(1, columns.to(received.device)))
+        first, later = self._columns_on(received.device)
+        pooled = received.index_select(1, first)
+        for features, columns in later:  # row-wise partial sums, in rank order
+            pooled = pooled.index_add(1, features, received.index_select(1, columns))
         return pooled
+
+    def _columns_on(self, device: torch.device):
+        """The received columns' index tensors where the pooled rows are: copied
+        once, not every step (a pageable copy to a GPU waits for it)."""
+        if self._columns_device is None or self._columns_device[0] != device:
+            move = lambda t: t.to(device)  # noqa: E731
+            self._columns_device = (device, move(self._first), [(move(f), move(c)) for f, c in self._later])
+        return self._columns_device[1], self._columns_device[2]
 
     def exchange_report(self) -> dict[str, float]:
         """Bytes this rank sent to the others per training step, by what they carried."""
@@ -237,9 +249,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return {"ids_bytes_per_step": self.ids_bytes_sent / steps,
                 "pooled_bytes_per_step": self.pooled_bytes_sent / steps,  # forward; backward sends as many
                 "all_to_all_bytes_per_step": (self.ids_bytes_sent + 2 * self.pooled_bytes_sent) / steps}
-
-    def _device(self) -> torch.device:
-        return self.groups[0].device if self.groups else torch.device("cpu")
 
     def pending(self):
         return self.local.pending() if self.local is not None else []
@@ -328,4 +337,4 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
         local = build_embeddings([s.table for s in owned], [s.rows for s in owned], dim, placement, precision,
                                  optimizer, device, seed, batch_ids=batch_ids, shards=specs,
                                  table_numbers={f: i for i, f in enumerate(features)})
-    return ShardedEmbeddingBagCollection(features, dim, plan, rank, local, group)
+    return ShardedEmbeddingBagCollection(features, dim, plan, rank, local, group, device)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from recsys_cli.embeddings.quant import INIT_STEP, QuantizedRows, RoundingKey, decode_saved, empty_rows
+from recsys_cli.device import with_index
+from recsys_cli.embeddings.quant import INIT_STEP, FP32Rows, QuantizedRows, RoundingKey, decode_saved, empty_rows
 
 if TYPE_CHECKING:
     from recsys_cli.embeddings.protocols import RowStoreProtocol
@@ -48,7 +49,7 @@ class RowStore:
         never pinned by copying)."""
         self.num_rows, self.dim = num_rows, dim
         self.seed = seed
-        self.device = torch.device(device)
+        self.device = with_index(device)
         table_rows = table_rows or [(0, self.num_rows)]
         sizes = torch.tensor([t[1] for t in table_rows], dtype=torch.int64)
         self._table_start = torch.cumsum(sizes, 0) - sizes
@@ -57,6 +58,22 @@ class RowStore:
         self._table_base = self._table_start - torch.tensor([t[2] if len(t) > 2 else 0 for t in table_rows])
         self.rows: QuantizedRows = empty_rows(self.num_rows, self.dim, precision, rounding, self.device, empty)
         self.state = state
+        self.mapped = False  # host memory the device addresses directly (map_to_device)
+
+    def map_to_device(self, device_view, device: torch.device) -> bool:
+        """placement=uvm: the rows and their optimizer state stay in host memory,
+        and from now on the store's tensors are device views of it
+        (device_view: Runtime.device_view), so every read and write is a kernel
+        over the host pages, with no copy. False, changing nothing, where
+        there is no such view (CPU: the store stays a host store)."""
+        if self.precision != "fp32":
+            return False
+        weights, state = device_view(self.rows.weights), device_view(self.state)
+        if weights is None or state is None:
+            return False
+        assert isinstance(self.rows, FP32Rows)
+        self.rows.weights, self.state, self.device, self.mapped = weights, state, with_index(device), True
+        return True
 
     def write_initial(self, start: int, rows: torch.Tensor) -> None:
         """Store the initial fp32 rows of fused rows [start, start + n): each

@@ -6,7 +6,9 @@ offsets. The collection asks each group for the rows of a batch's plan
 and how they get to the device, is the group's business:
 
   DirectGroup   rows read from the store and written back every step; the
-                store lives on the device ("device") or in host memory ("host").
+                store lives on the device ("device"), in host memory ("host":
+                gathered on the host and copied), or in host memory the
+                device addresses ("uvm": gathered and updated by kernels).
   CachedGroup   (cache.py) a device cache of fp32 rows in front of the store,
                 filled ahead by the lookahead prefetcher or on demand.
 """
@@ -18,7 +20,7 @@ import functools
 
 import torch
 
-from recsys_cli.device import PinnedStaging, runtime_for
+from recsys_cli.device import PinnedStaging, runtime_for, with_index
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.plan import LookupPlan
 from recsys_cli.embeddings.quant import patched_entry
@@ -42,7 +44,7 @@ class TableGroup(abc.ABC):
         self.store_tier = store_tier  # where the store counts: "device" or "host"
         self.optimizer = optimizer
         self.store = store
-        self.device = device
+        self.device = with_index(device)
         self.dim = tables[0].dim
         self.row_offset: dict[str, int] = {}
         offset = 0
@@ -154,7 +156,7 @@ class DirectGroup(TableGroup):
         one): a host store behind a device (pins_host) gets pinned buffers for
         rows and optimizer state, each way."""
         self.runtime = runtime
-        staged = self.store.device.type == "cpu" and runtime.pins_host
+        staged = self.store.device.type == "cpu" and runtime.pins_host and not self.store.mapped
         cols = self.store.state.shape[1]
         self.staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
         self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
@@ -182,8 +184,9 @@ class DirectGroup(TableGroup):
         return self.runtime.to_device(self.runtime.pin(plan.unique), self.store.device)
 
     def _gather(self, source: torch.Tensor, ids: torch.Tensor, staging: PinnedStaging | None) -> torch.Tensor:
-        if staging is None:
-            return self.runtime.to_device(source.index_select(0, ids), self.device)
+        if staging is None:  # the store where the device reads it (device, uvm), or no device (CPU)
+            rows = source.index_select(0, ids)
+            return rows if rows.device == self.device else self.runtime.to_device(rows, self.device)
         view = staging.take(ids.numel())
         torch.index_select(source, 0, ids, out=view)
         return staging.to_device(view, self.device)
@@ -204,8 +207,7 @@ class DirectGroup(TableGroup):
             self.bytes_to_host += rows.numel() * 4
         if self.back_staging is not None:  # through pinned buffers, written to the host table once they land (flush)
             rows, state = (b.from_device(t) for b, t in zip(self.back_staging, (rows, state)))
-            copied = self.runtime.event()
-            copied.record(self.runtime.current_stream())
+            copied = self.runtime.recorded()
             self._update_in_flight = (ids, rows, state, copied)
             return
         if rows.device != self.store.device:
@@ -214,6 +216,8 @@ class DirectGroup(TableGroup):
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         self.flush()
+        if self.staging is not None and ids.device.type == "cpu":  # evaluation: pinned, so the copy is asynchronous
+            return self._gather(self.store.rows.weights, ids, self.staging[0])
         if ids.device != self.store.device:
             ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
         return self.runtime.to_device(self.store.rows.read(ids), self.device)

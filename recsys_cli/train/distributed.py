@@ -45,6 +45,7 @@ of processes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -71,6 +72,11 @@ CHECKPOINT_WAIT_S = 24 * 3600.0
 # How long `recsys train trainer.nproc=N`, sent SIGTERM, waits for its workers
 # to stop with a checkpoint before it kills them.
 PREEMPTION_WAIT_S = 120
+# LaunchConfig fields newer torch releases added, set where the installed
+# torch has them. shutdown_timeout (torch >= 2.12): on SIGTERM the agent passes
+# it to the workers and waits this long for them to finish the step and write
+# their checkpoint (train/preemption.py); older agents wait their own default.
+OPTIONAL_LAUNCH_FIELDS: dict[str, Any] = {"shutdown_timeout": PREEMPTION_WAIT_S}
 
 
 @dataclass
@@ -129,7 +135,9 @@ def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    from recsys_cli.device import parse_device
+
+    cuda = parse_device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; the launcher API does not
@@ -295,6 +303,7 @@ def check_process_count(cfg) -> None:
     count is trainer.nproc, or under torchrun its --nproc-per-node
     (LOCAL_WORLD_SIZE). trainer.oversubscribe=true allows more processes
     than cores (never more than devices: each rank selects its own)."""
+    from recsys_cli.device import one_gpu_for_many, parse_device
     from recsys_cli.train.threads import available_cores
 
     tc = cfg.trainer
@@ -304,8 +313,10 @@ def check_process_count(cfg) -> None:
         count, what = tc.nproc, "trainer.nproc"
     if count <= 1:
         return
-    device = str(tc.device)
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+    device = parse_device(tc.device)
+    if device.type == "cuda" and device.index is not None:
+        raise UserError(one_gpu_for_many(str(tc.device)))
+    if device.type == "cuda":
         devices = torch.cuda.device_count()
         if count > devices:
             raise UserError(f"{what}={count} but this machine has {devices} CUDA device(s): training runs one process "
@@ -319,21 +330,29 @@ def check_process_count(cfg) -> None:
                         "trainer.oversubscribe=true to start them anyway)")
 
 
+def launch_config(nproc: int, monitor_interval: float = 0.1):
+    """The elastic launcher's LaunchConfig for `nproc` local workers, built on
+    whatever torch is installed: the fields every supported torch has, plus
+    the ones newer releases added (OPTIONAL_LAUNCH_FIELDS) where it has them."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    optional = {name: value for name, value in OPTIONAL_LAUNCH_FIELDS.items() if name in fields}
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"recsys-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=monitor_interval, start_method="spawn", **optional,
+    )
+
+
 def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1) -> dict[int, Any]:
     """Run entrypoint(*args) in `nproc` worker processes on this machine through
     torch's elastic launcher; returns {rank: return value}. A worker that raises
     or dies stops the others and raises WorkerFailed. The entrypoint must be
     importable by name (workers are spawned) and should call `init`."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"recsys-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=monitor_interval, start_method="spawn",
-        # On SIGTERM the agent passes it to the workers and waits this long for
-        # them to finish the step and write their checkpoint (train/preemption.py).
-        shutdown_timeout=PREEMPTION_WAIT_S,
-    )
+    config = launch_config(nproc, monitor_interval)
     # The agent logs every failure with its traceback; WorkerFailed carries both.
     # (and its warning that it passes a SIGTERM on: rank 0 says where the run stopped).
     names = ("torch.distributed.elastic", "torch.multiprocessing")

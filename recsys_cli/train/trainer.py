@@ -27,7 +27,8 @@ from recsys_cli import wait_policy
 from recsys_cli.config import DROP_LAST_RANKS, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
-from recsys_cli.device import allocated_by, require_dense_precision, resolve_device, runtime_for, sum_copies
+from recsys_cli.device import (allocated_by, pageable_sites, require_dense_precision, resolve_device, runtime_for,
+                               sum_copies)
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
 from recsys_cli.embeddings.sharded import build_sharded_embeddings
@@ -590,6 +591,7 @@ class Trainer:
             # every copy between host and device, by direction and pinned or pageable (None on CPU)
             "host_device_copies": copies,
             "pageable_host_to_device_copies": None if copies is None else copies["host_to_device_pageable"],
+            "pageable_copy_sites": None if copies is None else pageable_sites([self.runtime, *self.embeddings.runtimes()]),
             "device": str(self.device),
             "placement": cfg.placement.kind,
             "precision": cfg.precision.kind,

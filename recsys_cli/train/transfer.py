@@ -51,8 +51,7 @@ class BatchCopier:
 
         with rt.use_stream(self.stream):
             moved = batch.to(self.device, move=move)
-            copied = rt.event()
-            copied.record(self.stream)
+            copied = rt.recorded(self.stream)
         compute = rt.current_stream()
         compute.wait_event(copied)
         for t in copies:

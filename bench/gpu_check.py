@@ -47,6 +47,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -55,19 +56,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_CRASHED, EXIT_NO_CUDA = 1, 2, 3, 4
-TEST_FILES = ["tests/test_segment_reduce.py", "tests/test_device_paths.py", "tests/test_train.py"]
+# The tests that take RECSYS_TEST_DEVICE: the kernels, the copy and stream
+# ordering, the slot index, and test_train.py's in-process training runs (its
+# command-line ones start a process each and its SIGKILL/resume test waits on
+# CPU work: they test no CUDA path and would not fit the stage's budget).
+TEST_FILES = ["tests/test_segment_reduce.py", "tests/test_device_paths.py", "tests/test_slot_index.py",
+              "tests/test_train.py"]
+TEST_SELECTION = "not cli and not sigkill and not bad_config and not roc_auc"
 DRY_TEST_FILES = ["tests/test_segment_reduce.py"]
+# The pytest run is stopped (SIGINT: it still writes its junit XML and log)
+# this many seconds before the stage's own timeout would kill it.
+TESTS_GRACE_S = 15
+# The exact and determinism stages make the GPU fall behind the host: before
+# each step's release, the compute stream sleeps this many cycles (~2.5 ms at
+# the H200's 1.98 GHz), so fills and write-backs that the prefetcher enqueues
+# meanwhile race the step's kernels unless the events order them.
+LAG_CYCLES = 5_000_000
+OVERLAP_LAG_CYCLES = 20_000_000  # ~10 ms of compute-stream work per step in the overlap stage
+OVERLAP_GOAL = 0.8  # the share of the fill copies' time that compute-stream kernels must overlap
 EXACT_PLACEMENTS = {
     "device": {"placement.kind": "device"},
     "lookahead": {"placement.kind": "lookahead", "placement.cache_rows": 1500, "placement.window": 3},
     "cache": {"placement.kind": "cache", "placement.cache_rows": 1500},
-    "host": {"placement.kind": "uvm"},
+    "host": {"placement.kind": "host"},
+    "uvm": {"placement.kind": "uvm"},
 }
 SPEED_SYSTEMS = {
     "device": {"placement.kind": "device"},
     "lookahead 5 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.05},
     "lookahead 1 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.01},
-    "host": {"placement.kind": "uvm"},
+    "host": {"placement.kind": "host"},
+    "uvm": {"placement.kind": "uvm"},
 }
 FILL_RANGE = "lookahead_fill"  # embeddings/cache.py names its fill copies so
 PROFILED_STEPS = (20, 8)  # overlap: steps 20..27 traced (dry: 2..5)
@@ -98,9 +117,9 @@ def sizes(args) -> Sizes:
                  min(args.cardinality_scale, 0.1), PROFILED_STEPS, tuple(TEST_FILES))
 
 
-# Per-stage timeouts (seconds, process start included); they add up to 6.25
+# Per-stage timeouts (seconds, process start included); they add up to 6
 # minutes, so the whole check fits twice in a 15-minute device window.
-TIMEOUTS = {"data": 40, "tests": 120, "exact": 40, "determinism": 25, "sharded": 20, "overlap": 30}
+TIMEOUTS = {"data": 40, "tests": 100, "exact": 40, "determinism": 25, "sharded": 20, "overlap": 30}
 SPEED_TIMEOUT = 25
 
 
@@ -149,12 +168,37 @@ def speed_config(args, cache_dir, s: Sizes, overrides: dict, scale: float | None
                   batch=s.speed_batch, steps=s.speed_steps, kaggle=True)
 
 
-def train(cfg, record_losses: bool = False):
+def train(cfg, record_losses: bool = False, lag_cycles: int = 0):
+    """Train `cfg`; with record_losses, trainer.step_losses holds every step's
+    loss, read after the run (a .item() per step would let the GPU never fall
+    behind). lag_cycles: the compute stream sleeps that long before every
+    release (CUDA only), so the device runs behind the host."""
+    import torch
+
     from recsys_cli.train.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.record_losses = record_losses
-    return trainer, trainer.fit()
+    losses: list = []
+    if record_losses:
+        step = trainer.train_step
+
+        def recorded(batch):
+            loss = step(batch)
+            losses.append(loss.detach().clone())
+            return loss
+
+        trainer.train_step = recorded
+    if lag_cycles and torch.cuda.is_available() and str(cfg.trainer.device).startswith("cuda"):
+        release = trainer.embeddings.release
+
+        def late_release(batch):
+            torch.cuda._sleep(lag_cycles)
+            release(batch)
+
+        trainer.embeddings.release = late_release
+    summary = trainer.fit()
+    trainer.step_losses = [float(v) for v in torch.stack(losses).cpu()] if losses else []
+    return trainer, summary
 
 
 def deterministic() -> None:
@@ -165,7 +209,7 @@ def deterministic() -> None:
     enable()
 
 
-def stage_data(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_data(args, work_dir: Path, cache_dir: Path) -> dict:
     from recsys_cli.train.training_data import resolve_dataset
 
     s = sizes(args)
@@ -176,20 +220,34 @@ def stage_data(args, out_dir: Path, cache_dir: Path) -> dict:
     return {"ok": True, "datasets": sorted(set(made))}
 
 
-def stage_tests(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_tests(args, work_dir: Path, cache_dir: Path) -> dict:
     s = sizes(args)
     env = dict(os.environ, RECSYS_TEST_DEVICE="cpu" if args.dry else "cuda")
-    junit, log = out_dir / "tests.xml", out_dir / "tests.log"
+    junit, log = work_dir / "tests.xml", work_dir / "tests.log"
+    select = [] if args.dry else ["-k", TEST_SELECTION]
+    deadline = TIMEOUTS["tests"] - TESTS_GRACE_S
     with open(log, "w") as out:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE",
-                               f"--junitxml={junit}", *s.test_files],
-                              env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        pytest = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE",
+                                   f"--junitxml={junit}", *select, *s.test_files],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            pytest.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:  # stopped as Ctrl-C would: pytest still writes its junit and summary
+            pytest.send_signal(signal.SIGINT)
+            try:
+                pytest.wait(timeout=TESTS_GRACE_S - 5)
+            except subprocess.TimeoutExpired:
+                pytest.kill()
+                pytest.wait()
+    done = pytest
     counts = junit_counts(junit) if junit.exists() else {"tests": 0, "failures": 0, "errors": 0, "skipped": 0,
                                                           "failed": []}
     ran = counts["tests"] - counts["skipped"]
     ok = done.returncode == 0 and counts["failures"] == 0 and counts["errors"] == 0 and ran > 0
     summary = (f"{ran - counts['failures'] - counts['errors']} passed, {counts['failures']} failed, "
                f"{counts['errors']} errors, {counts['skipped']} skipped")
+    if done.returncode == 2 and "KeyboardInterrupt" in log.read_text(errors="replace"):
+        summary += f"; stopped after {deadline} s"
     return {"ok": ok, "files": list(s.test_files), "summary": summary, "pytest_exit_code": done.returncode,
             "failed": counts["failed"], "junit": str(junit), "log": str(log)}
 
@@ -207,25 +265,26 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
-def stage_exact(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_exact(args, work_dir: Path, cache_dir: Path) -> dict:
     import torch
 
     deterministic()
     s = sizes(args)
-    ref, _ = train(exact_config(args, cache_dir, s, EXACT_PLACEMENTS["device"]), record_losses=True)
+    ref, _ = train(exact_config(args, cache_dir, s, EXACT_PLACEMENTS["device"]), record_losses=True,
+                   lag_cycles=LAG_CYCLES)
     ref_tables = ref.embeddings.table_state()
     checks = {}
     for name, overrides in EXACT_PLACEMENTS.items():
         if name == "device":
             continue
-        got, _ = train(exact_config(args, cache_dir, s, overrides), record_losses=True)
+        got, _ = train(exact_config(args, cache_dir, s, overrides), record_losses=True, lag_cycles=LAG_CYCLES)
         tables = got.embeddings.table_state()
         checks[f"fp32 {name} == device"] = (got.step_losses == ref.step_losses and all(
             torch.equal(tables[t]["weights"], ref_tables[t]["weights"]) for t in ref_tables))
-    return {"ok": all(checks.values()), "checks": checks, "steps": s.exact_steps}
+    return {"ok": all(checks.values()), "checks": checks, "steps": s.exact_steps, "lag_cycles": LAG_CYCLES}
 
 
-def stage_determinism(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_determinism(args, work_dir: Path, cache_dir: Path) -> dict:
     import torch
 
     deterministic()
@@ -233,16 +292,17 @@ def stage_determinism(args, out_dir: Path, cache_dir: Path) -> dict:
     runs = []
     for _ in range(2):
         got, _ = train(exact_config(args, cache_dir, s, {**EXACT_PLACEMENTS["lookahead"], "precision.kind": "int8"}),
-                       record_losses=True)
+                       record_losses=True, lag_cycles=LAG_CYCLES)
         runs.append((got.step_losses, got.embeddings.table_state()))
     (l1, t1), (l2, t2) = runs
     same = l1 == l2 and all(torch.equal(t1[t][k], t2[t][k]) for t in t1 for k in t1[t]
                             if isinstance(t1[t][k], torch.Tensor))
-    return {"ok": same, "checks": {"int8 lookahead run == run": same}, "steps": s.exact_steps}
+    return {"ok": same, "checks": {"int8 lookahead run == run": same}, "steps": s.exact_steps,
+            "lag_cycles": LAG_CYCLES}
 
 
 def stage_speed(system: str):
-    def run(args, out_dir: Path, cache_dir: Path) -> dict:
+    def run(args, work_dir: Path, cache_dir: Path) -> dict:
         from recsys_cli.errors import UserError
 
         s = sizes(args)
@@ -250,13 +310,18 @@ def stage_speed(system: str):
             _, summary = train(speed_config(args, cache_dir, s, SPEED_SYSTEMS[system]))
         except UserError as e:  # e.g. a 1 % cache smaller than one batch at a small --cardinality-scale
             return {"ok": False, "error": str(e)}
+        copies = summary["host_device_copies"] or {}
+        pageable = copies.get("host_to_device_pageable", 0) + copies.get("device_to_host_pageable", 0)
         return {
-            "ok": True,
+            # a pageable copy is synchronous on CUDA: the step waited for the device
+            "ok": pageable == 0,
+            "error": f"{pageable} pageable copies between host and device" if pageable else None,
             "samples_per_second": summary["samples_per_second"],
             "phase_seconds": summary["phase_seconds"],
             "peak_device_bytes": summary["peak_device_bytes"],
             "embedding_bytes_allocated": summary["embedding_bytes_allocated"],
             "pageable_host_to_device_copies": summary["pageable_host_to_device_copies"],
+            "pageable_copy_sites": summary.get("pageable_copy_sites"),
             "host_device_copies": summary["host_device_copies"],
             "cache_hit_rate": (summary.get("cache") or {}).get("hit_rate"),
         }
@@ -283,7 +348,7 @@ def profiler_for(trace: Path, first: int, active: int, cuda: bool):
     )
 
 
-def stage_overlap(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_overlap(args, work_dir: Path, cache_dir: Path) -> dict:
     from recsys_cli.train.trainer import Trainer
 
     s = sizes(args)
@@ -291,11 +356,20 @@ def stage_overlap(args, out_dir: Path, cache_dir: Path) -> dict:
     cfg = speed_config(args, cache_dir, s, SPEED_SYSTEMS["lookahead 5 %"], scale=s.overlap_scale)
     cfg.trainer.max_steps = max(cfg.trainer.max_steps, first + active + 2)
     trainer = Trainer(cfg)
-    trace = out_dir / "lookahead_trace.json"
+    trace = work_dir / TRACE
     prof = profiler_for(trace, first, active, cuda=not args.dry)
     step = trainer.train_step
 
     def traced(batch):
+        # The compute stream busy as on a model whose step outlasts the fills
+        # (at batch 2048 on an H200 the host is the bottleneck and the GPU
+        # mostly idles, so "overlapped with kernels" would measure idleness):
+        # fills on a side stream then overlap this work; fills serialised
+        # with the compute stream cannot.
+        if not args.dry:
+            import torch
+
+            torch.cuda._sleep(OVERLAP_LAG_CYCLES)
         loss = step(batch)
         prof.step()
         return loss
@@ -354,7 +428,9 @@ def fill_overlap(events: list[dict]) -> dict:
               "compute_stream": compute, "overlapped_share": share}
     if not fill_copies:
         result["error"] = "no host-to-device copy was launched inside a lookahead_fill range"
-    return {"ok": bool(fill_copies) and share > 0.0, **result}
+    elif share < OVERLAP_GOAL:
+        result["error"] = f"{share:.0%} of the fill copies' time overlapped compute (goal {OVERLAP_GOAL:.0%})"
+    return {"ok": bool(fill_copies) and share >= OVERLAP_GOAL, **result}
 
 
 def _covered(a: float, b: float, busy: list[tuple[float, float]]) -> float:
@@ -458,7 +534,7 @@ def sharded_exchange_checks(device) -> dict[str, bool]:
     return out
 
 
-def stage_sharded(args, out_dir: Path, cache_dir: Path) -> dict:
+def stage_sharded(args, work_dir: Path, cache_dir: Path) -> dict:
     """The sharded exchange on the run's backend: NCCL on CUDA, gloo with --dry.
     One GPU: a one-rank NCCL group (NCCL takes one rank per device) runs the
     exchange checks on the device; two or more: two ranks, one per GPU."""
@@ -509,9 +585,9 @@ def run_stage_here(args) -> None:
     """A child: run one stage, write its result (the parent reads it)."""
     import torch
 
-    out_dir, cache_dir = Path(args.out), Path(args.cache_dir)
+    work_dir, cache_dir = Path(args.work), Path(args.cache_dir)
     start = time.perf_counter()
-    result = stage_function(args.stage)(args, out_dir, cache_dir)
+    result = stage_function(args.stage)(args, work_dir, cache_dir)
     result["device"] = "cpu" if args.dry else torch.cuda.get_device_name()
     result["torch"] = torch.__version__
     result["stage_seconds"] = time.perf_counter() - start
@@ -521,9 +597,9 @@ def run_stage_here(args) -> None:
 
 
 # --- the parent: every stage in its own process -------------------------------------
-def run_stage(stage: str, args, out_dir: Path, cache_dir: Path, passthrough: list[str]) -> dict:
+def run_stage(stage: str, args, work_dir: Path, cache_dir: Path, passthrough: list[str]) -> dict:
     slug = stage.replace(": ", "-").replace(" %", "pct").replace(" ", "-")
-    result_path, log_path = out_dir / f"stage-{slug}.json", out_dir / f"stage-{slug}.log"
+    result_path, log_path = work_dir / f"stage-{slug}.json", work_dir / f"stage-{slug}.log"
     result_path.unlink(missing_ok=True)
     timeout = timeout_of(stage)
     command = [sys.executable, "-m", "bench.gpu_check", "--stage", stage, "--result", str(result_path),
@@ -550,11 +626,27 @@ def run_stage(stage: str, args, out_dir: Path, cache_dir: Path, passthrough: lis
             "details": details}
 
 
-def write_report(report: dict, out_dir: Path) -> None:
+LOGS_TARBALL = "gpu_check_logs.tar.gz"
+TRACE = "lookahead_trace.json"
+
+
+def write_report(report: dict, out_dir: Path, work_dir: Path | None = None, keep_trace: bool = False) -> None:
+    """The report in `out_dir`: gpu_check.json, gpu_check.md and one tarball of
+    every stage's log and result, pytest's log and junit XML (and the
+    overlap stage's trace, with keep_trace), so it comes back whole through
+    a channel that carries a few files."""
     for name, text in (("gpu_check.json", json.dumps(report, indent=1, default=str)), ("gpu_check.md", markdown(report))):
         tmp = out_dir / (name + ".tmp")
         tmp.write_text(text)
         tmp.replace(out_dir / name)
+    if work_dir is None or not work_dir.is_dir():
+        return
+    tmp = out_dir / (LOGS_TARBALL + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in sorted(work_dir.iterdir()):
+            if path.is_file() and (keep_trace or path.name != TRACE):
+                tar.add(path, arcname=f"gpu_check_logs/{path.name}")
+    tmp.replace(out_dir / LOGS_TARBALL)
 
 
 def markdown(report: dict) -> str:
@@ -615,6 +707,19 @@ def _found(st: dict) -> str:
     return ""
 
 
+def launch_config_fields() -> list[str] | None:
+    """The installed torch's LaunchConfig fields (train/distributed.py builds
+    one on whatever release is installed; the report records the box's)."""
+    try:
+        import dataclasses
+
+        from torch.distributed.launcher.api import LaunchConfig
+
+        return [f.name for f in dataclasses.fields(LaunchConfig)]
+    except Exception:  # noqa: BLE001 - a record, never a reason to stop
+        return None
+
+
 def check(args, passthrough: list[str]) -> int:
     import torch
 
@@ -625,6 +730,10 @@ def check(args, passthrough: list[str]) -> int:
         return EXIT_NO_CUDA
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(args.cache_dir or os.environ.get("RECSYS_CACHE") or tempfile.mkdtemp(prefix="recsys-gpu-check-"))
+    # The stages' logs, results and trace: apart from the report, which is a few files (write_report).
+    work_dir = Path(args.work or tempfile.mkdtemp(prefix="recsys-gpu-check-work-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    passthrough = [*passthrough, "--work", str(work_dir)]
     names = stage_names()
     chosen = names if not args.stages else [n.strip() for n in args.stages.split(",")]
     unknown = [n for n in chosen if n not in names]
@@ -632,15 +741,16 @@ def check(args, passthrough: list[str]) -> int:
         print(f"--stages: unknown stage(s) {', '.join(unknown)}; the stages are: {', '.join(names)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": None, "torch": torch.__version__,
-              "python": sys.executable, "dry": args.dry, "args": vars(args), "stages": [], "ok": False}
+              "python": sys.executable, "dry": args.dry, "args": vars(args), "work_dir": str(work_dir),
+              "launch_config_fields": launch_config_fields(), "stages": [], "ok": False}
     start = time.perf_counter()
     try:
         for stage in chosen:
-            entry = run_stage(stage, args, out_dir, cache_dir, passthrough)
+            entry = run_stage(stage, args, work_dir, cache_dir, passthrough)
             report["stages"].append(entry)
             report["device"] = report["device"] or entry.get("details", {}).get("device")
             report["seconds"] = time.perf_counter() - start
-            write_report(report, out_dir)
+            write_report(report, out_dir, work_dir, args.keep_trace)
             print(f"{stage:>22}: {entry['status']} ({entry['seconds']:.1f} s) {_found(entry)}", flush=True)
         report["ok"] = all(st["ok"] for st in report["stages"])
     except Exception as e:  # the check itself, not a stage: keep what was done
@@ -649,7 +759,7 @@ def check(args, passthrough: list[str]) -> int:
     report["seconds"] = time.perf_counter() - start
     code = EXIT_CRASHED if report.get("error") else (0 if report["ok"] else EXIT_FAILED)
     report["exit_code"] = code
-    write_report(report, out_dir)
+    write_report(report, out_dir, work_dir, args.keep_trace)
     print(markdown(report))
     return code
 
@@ -663,6 +773,10 @@ def parse_args(argv=None):
     parser.add_argument("--stages", default=None, help="comma-separated subset, e.g. exact,overlap")
     parser.add_argument("--dry", action="store_true", help="every stage on CPU at tiny sizes (CI)")
     parser.add_argument("--cache-dir", default=None, help="where the synthetic datasets go")
+    parser.add_argument("--work", default=None,
+                        help="where the stages' logs, results and the profiler's trace go (default: a temporary "
+                        "folder); --out gets the report and one tarball of these")
+    parser.add_argument("--keep-trace", action="store_true", help="put the overlap stage's trace in the tarball")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # a child: run this stage
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

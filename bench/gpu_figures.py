@@ -1,0 +1,334 @@
+"""GPU figures (BENCHMARKS.md, "GPU"): the placements and precisions side by side on one CUDA GPU.
+
+    python -m bench.gpu_figures [--batches 2048 16384] [--rounds 3] [--steps 20] [--out DIR]
+
+dlrm_kaggle at Criteo Kaggle's cardinalities (33.8M rows, dim 16, row-wise
+Adagrad) on synthetic data. For each batch size every system is built in
+one process and reads the same batches from its own loader (same seed);
+after a warm-up chunk each, the systems run in rounds, one chunk of
+`--steps` steps each per round (order rotated), timed with the device
+synchronised at both ends. Systems:
+
+  recsys placements  device, lookahead 5 % and 1 %, host, uvm, and int8 /
+                     int4 tables behind a lookahead cache (5 % / 1 %)
+  plain              one nn.EmbeddingBag per table, all on the device, sparse
+                     gradients, the same row-wise Adagrad written out in
+                     PyTorch (bench/peers/systems.py's peer, moved to CUDA)
+
+Per system: median samples/s and its ratio to device placement, the
+device bytes its tables hold (the allocator, at build) and the most its
+chunks added on top (the allocator's peak in the chunk, less what was
+allocated at its start), host<->device bytes per step (the runtime's copy
+counters), the cache hit rate, the synchronisations a step makes
+(torch.cuda.set_sync_debug_mode, counted by call site over one chunk), and
+the validation AUC after the rounds (the same batches for every system).
+For the lookahead systems at the largest batch, one chunk runs under
+torch.profiler and gives the share of the fill copies' time that compute
+kernels overlapped (bench/gpu_check.py's measure, without its artificial lag).
+
+Writes DIR/gpu_figures.json (rewritten after every batch size) and prints a
+table; `--deadline S` stops starting new work after S seconds (a device
+lease is short), keeping what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from bench.peers.systems import Plain, PeerBatch, Recsys, Setup, dataset_dir, shapes_of
+
+SYSTEMS = {
+    "device": {"placement.kind": "device"},
+    "lookahead 5 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.05},
+    "lookahead 1 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.01},
+    "host": {"placement.kind": "host"},
+    "uvm": {"placement.kind": "uvm"},
+    "int8 + lookahead 5 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.05, "precision.kind": "int8"},
+    "int4 + lookahead 1 %": {"placement.kind": "lookahead", "placement.cache_ratio": 0.01, "precision.kind": "int4"},
+}
+PEER = "plain PyTorch (device)"
+
+
+class CudaPlain(Plain):
+    """The plain-PyTorch peer with its tables, MLPs and accumulators on the
+    GPU; its loader pins each batch, the step copies it asynchronously."""
+
+    def __init__(self, setup, shapes, data, init, device: torch.device) -> None:
+        super().__init__(setup, shapes, data, init)
+        self.device = device
+        self.model.to(device)
+        from bench.peers.systems import dense_optimizer
+
+        # Adagrad made its state where the parameters were: made again on the device
+        self.optimizer = dense_optimizer(setup, [p for n, p in self.model.named_parameters() if not n.startswith("tables.")])
+        if self.rowwise:
+            self.accumulators = [a.to(device) for a in self.accumulators]
+
+    def transform(self, batch):
+        peer = super().transform(batch)
+        if self.device.type != "cuda":
+            return peer
+        per_table = [(v.pin_memory(), o.pin_memory()) for v, o in peer.inputs]
+        batch.dense, batch.labels = batch.dense.pin_memory(), batch.labels.pin_memory()
+        return PeerBatch(batch, per_table)
+
+    def step(self, peer: PeerBatch) -> torch.Tensor:
+        d = self.device
+        moved = PeerBatch(
+            type(peer.batch)(peer.batch.dense.to(d, non_blocking=True), peer.batch.sparse,
+                             peer.batch.labels.to(d, non_blocking=True)),
+            [(v.to(d, non_blocking=True), o.to(d, non_blocking=True)) for v, o in peer.inputs])
+        return super().step(moved)
+
+
+class RecsysOnGpu:
+    """A recsys Trainer stepping through its own prefetched batches."""
+
+    def __init__(self, setup: Setup, shapes, data, overrides: dict, device: str) -> None:
+        cfg = setup.config()
+        cfg.trainer.device = device
+        cfg.trainer.epochs = 10_000  # the rounds may pass an epoch's end: the batches go on
+        cfg.trainer.eval_batch_size = setup.batch_size
+        for key, value in overrides.items():
+            OmegaConf.update(cfg, key, value)
+        self.system = Recsys(setup, shapes, data, cfg)
+        self.trainer = self.system.trainer
+        self.batches = self._batches()
+
+    def _batches(self):
+        while True:
+            yield from self.trainer.epoch_batches()
+
+    def step(self) -> torch.Tensor:
+        return self.trainer.train_step(next(self.batches))
+
+    def runtimes(self):
+        return [self.trainer.runtime, *self.trainer.embeddings.runtimes()]
+
+    def copy_bytes(self) -> dict[str, int]:
+        total = {"host_to_device": 0, "device_to_host": 0}
+        for r in {id(r): r for r in self.runtimes() if r is not None}.values():
+            for k in total:
+                total[k] += r.copy_bytes[k]
+        return total
+
+    def table_device_bytes(self) -> int | None:
+        return (self.trainer.embedding_allocated or {}).get("device")
+
+
+class PeerOnGpu:
+    def __init__(self, peer: CudaPlain) -> None:
+        self.peer = peer
+        self.batches = iter(peer.loader())
+
+    def step(self) -> torch.Tensor:
+        return self.peer.step(next(self.batches))
+
+    def copy_bytes(self) -> dict[str, int]:
+        return {"host_to_device": 0, "device_to_host": 0}  # not counted for the peer
+
+    def table_device_bytes(self) -> int:
+        model = self.peer.model
+        tables = sum(t.weight.numel() * t.weight.element_size() for t in model.tables)
+        return tables + sum(a.numel() * a.element_size() for a in getattr(self.peer, "accumulators", []))
+
+
+def timed_chunk(system, steps: int) -> dict:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        start_bytes = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    copied = system.copy_bytes()
+    start = time.perf_counter()
+    loss = None
+    for _ in range(steps):
+        loss = system.step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    after = system.copy_bytes()
+    return {"seconds": seconds, "peak_added": torch.cuda.max_memory_allocated() - start_bytes if cuda else None,
+            "h2d": after["host_to_device"] - copied["host_to_device"],
+            "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach())}
+
+
+def sync_sites(system, steps: int) -> dict[str, int]:
+    """The synchronising calls `steps` steps make (every thread), by call site."""
+    seen: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                system.step()
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            seen[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return dict(seen.most_common())
+
+
+def fill_overlap_share(system, steps: int, trace: Path) -> dict:
+    from bench.gpu_check import fill_overlap, profiler_for
+
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof = profiler_for(trace, 0, steps, cuda=True)
+    with prof:
+        for _ in range(steps):
+            system.step()
+            prof.step()
+        torch.cuda.synchronize()
+    if not trace.exists():
+        return {"error": "no trace"}
+    events = json.loads(trace.read_text())["traceEvents"]
+    trace.unlink()
+    got = fill_overlap(events)
+    return {k: got.get(k) for k in ("overlapped_share", "fill_copies", "fill_copy_us", "error")}
+
+
+def run_batch(batch: int, args, out: dict, started: float) -> None:
+    setup = Setup(rows=args.rows, cardinality_scale=args.cardinality_scale, batch_size=batch, optimizer="adagrad",
+                  lr=0.05)
+    device = "cpu" if args.dry else "cuda"
+    cfg = setup.config()
+    data = dataset_dir(cfg)
+    shapes = shapes_of(cfg, data)
+    built = time.perf_counter()
+    systems: dict = {}
+    for name in args.systems:
+        systems[name] = RecsysOnGpu(setup, shapes, data, SYSTEMS[name], device)
+    if args.peer:
+        init = systems.get("device")
+        where = torch.device("cpu") if args.dry else torch.device("cuda", torch.cuda.current_device())
+        systems[PEER] = PeerOnGpu(CudaPlain(setup, shapes, data, init.system if init else None, where))
+    build_seconds = time.perf_counter() - built
+    names = list(systems)
+    result = {"batch": batch, "build_seconds": build_seconds, "systems": {n: {"rates": []} for n in names}}
+    out["batches"].append(result)
+    for n in names:  # warm-up: allocator, kernels, the prefetchers' first windows
+        timed_chunk(systems[n], args.warmup)
+    for r in range(args.rounds):
+        if time.perf_counter() - started > args.deadline:
+            result["stopped"] = f"deadline after round {r}"
+            break
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            got = timed_chunk(systems[n], args.steps)
+            entry = result["systems"][n]
+            entry["rates"].append(args.steps * batch / got["seconds"])
+            entry["peak_added_bytes"] = max(entry.get("peak_added_bytes") or 0, got["peak_added"] or 0)
+            entry["h2d_bytes_per_step"] = got["h2d"] / args.steps
+            entry["d2h_bytes_per_step"] = got["d2h"] / args.steps
+            entry["loss"] = got["loss"]
+        print(f"  batch {batch} round {r + 1}: " + "  ".join(
+            f"{n} {result['systems'][n]['rates'][-1]:,.0f}/s" for n in names), flush=True)
+    base = statistics.median(result["systems"]["device"]["rates"]) if result["systems"].get("device", {}).get(
+        "rates") else None
+    for n, system in systems.items():
+        entry = result["systems"][n]
+        if entry["rates"]:
+            entry["samples_per_second"] = statistics.median(entry["rates"])
+            entry["vs_device"] = entry["samples_per_second"] / base if base else None
+        entry["table_device_bytes"] = system.table_device_bytes()
+        if isinstance(system, RecsysOnGpu):
+            stats = system.trainer.embeddings.stats()
+            entry["hit_rate"] = stats.get("hit_rate")
+            entry["group_bytes_to_device"] = stats.get("bytes_to_device")
+            if time.perf_counter() - started < args.deadline:
+                if not args.dry:
+                    entry["syncs_per_chunk"] = sync_sites(system, args.steps)
+                    entry["sync_steps"] = args.steps
+                system.trainer.model.eval()
+                entry["val_auc"] = system.trainer.evaluate("val").get("auc")
+                system.trainer.model.train()
+            if n.startswith("lookahead") and batch == max(args.batches) and not args.dry and \
+                    time.perf_counter() - started < args.deadline:
+                entry["fill_overlap"] = fill_overlap_share(system, min(args.steps, 10),
+                                                           Path(args.out) / f"trace-{batch}.json")
+    write(out, args)
+    del systems
+    gc.collect()  # the trainers' threads and caches hold cycles: freed before the next batch size builds
+    if not args.dry:
+        torch.cuda.empty_cache()
+
+
+def write(out: dict, args) -> None:
+    path = Path(args.out) / "gpu_figures.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(path)
+
+
+def table(out: dict) -> str:
+    lines = ["| batch | system | samples/s | vs device | table device MiB | chunk peak added MiB | H2D MB/step "
+             "| hit rate | syncs/step | val AUC |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in out["batches"]:
+        for n, e in b["systems"].items():
+            def mib(v):
+                return f"{v / 2**20:,.0f}" if isinstance(v, (int, float)) else "-"
+
+            syncs = e.get("syncs_per_chunk")
+            per_step = f"{sum(syncs.values()) / e['sync_steps']:.1f}" if syncs is not None else "-"
+            lines.append(
+                f"| {b['batch']} | {n} | {e.get('samples_per_second', 0):,.0f} | "
+                f"{e['vs_device']:.2f} | " if e.get("vs_device") is not None else
+                f"| {b['batch']} | {n} | {e.get('samples_per_second', 0):,.0f} | - | ")
+            lines[-1] += (f"{mib(e.get('table_device_bytes'))} | {mib(e.get('peak_added_bytes'))} | "
+                          f"{(e.get('h2d_bytes_per_step') or 0) / 1e6:,.2f} | "
+                          f"{e['hit_rate']:.3f} | " if e.get("hit_rate") is not None else
+                          f"{mib(e.get('table_device_bytes'))} | {mib(e.get('peak_added_bytes'))} | "
+                          f"{(e.get('h2d_bytes_per_step') or 0) / 1e6:,.2f} | - | ")
+            lines[-1] += f"{per_step} | {e['val_auc']:.4f} |" if e.get("val_auc") is not None else f"{per_step} | - |"
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_figures")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16384, 2048])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--no-peer", dest="peer", action="store_false")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=1_500_000)
+    parser.add_argument("--cardinality-scale", type=float, default=1.0)
+    parser.add_argument("--deadline", type=float, default=240.0, help="seconds after which no new work starts")
+    parser.add_argument("--out", default="outputs/gpu-figures")
+    parser.add_argument("--dry", action="store_true", help="on CPU at the sizes given (a smoke test of the script)")
+    args = parser.parse_args(argv)
+    if not args.dry and not torch.cuda.is_available():
+        print("gpu_figures needs a CUDA device (--dry runs it on CPU)", file=sys.stderr)
+        return 4
+    started = time.perf_counter()
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "device": "cpu" if args.dry else torch.cuda.get_device_name(),
+           "torch": torch.__version__, "command": " ".join(["python -m bench.gpu_figures", *(argv or sys.argv[1:])]),
+           "args": vars(args), "batches": []}
+    for batch in args.batches:
+        if time.perf_counter() - started > args.deadline:
+            break
+        run_batch(batch, args, out, started)
+        print(table(out), flush=True)
+    out["seconds"] = time.perf_counter() - started
+    write(out, args)
+    print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench.gpu_check as gpu_check
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
-import bench.gpu_check as gpu_check  # noqa: E402
 
 
 def test_the_dry_check_runs_every_stage_on_cpu_and_reports_each(tmp_path):

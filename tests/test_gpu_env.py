@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench.gpu_env as gpu_env
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
-import bench.gpu_env as gpu_env  # noqa: E402
 
 
 def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_the_check(tmp_path):

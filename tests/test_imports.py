@@ -148,3 +148,17 @@ def test_data_tools_imports_without_recsys_cli():
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'recsys_cli')))\n"
     )
     assert loaded == []
+
+
+def test_test_files_run_alone_from_any_directory(tmp_path):
+    """A test file run on its own (pytest's own entry point, from another
+    directory: nothing puts the checkout on sys.path but the pytest
+    configuration) collects: the files that import bench/, the shared
+    helpers and each other's fixtures."""
+    files = ["tests/test_sharding.py", "tests/test_gpu_check.py", "tests/test_cache_streams.py",
+             "tests/test_device_paths.py"]
+    for name in files:
+        done = subprocess.run([sys.executable, "-c", "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
+                               "-p", "no:cacheprovider", "--collect-only", "-q", str(ROOT / name)],
+                              cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, (name, done.stdout[-2000:] + done.stderr[-2000:])

@@ -26,10 +26,12 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
-# The long matrix (README, Testing): 300 differential combinations and the
-# command-line reproducibility and kill/resume checks of every combination.
+# The long matrix (README, Testing): 300 differential combinations, then every
+# test marked `verify` (the command-line reproducibility and kill/resume checks
+# of every combination, and the rest that `make test` keeps one fast case of).
 verify: setup
-	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_resume_exact.py $(ARGS)
+	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py $(ARGS)
+	RECSYS_VERIFY=1 $(BIN)/pytest -m verify $(ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)

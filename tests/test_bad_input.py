@@ -21,8 +21,8 @@ import torch
 from data_tools.manifest import MANIFEST_NAME
 from datasets import write_dataset
 from train_config import config
+from commands import RECSYS
 
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 
 
 def recsys(*args, cwd, **kw):

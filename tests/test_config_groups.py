@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from recsys_cli.config_groups import group_overrides
+from commands import RECSYS
 
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 TINY = ["dataset.synthetic.rows=3000", "dataset.synthetic.cardinality_scale=0.0002", "trainer.max_steps=2",
         "trainer.progress=false", "trainer.final_checkpoint=false"]
 

@@ -22,9 +22,9 @@ from data_tools import shards
 from data_tools.criteo import CriteoConfig, preprocess
 from data_tools.manifest import CRITEO_SPARSE, FORMAT_VERSION, load_manifest, sha256_file
 from recsys_cli.errors import UserError
+from commands import RECSYS
 
 REPO = Path(__file__).resolve().parents[1]
-RECSYS = str(Path(sys.executable).with_name("recsys"))  # the entry point of the environment running the tests
 
 
 # --------------------------------------------------------------------------- fixtures

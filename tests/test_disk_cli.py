@@ -17,7 +17,8 @@ import torch
 
 from recsys_cli.embeddings.disk_checkpoint import materialize
 from recsys_cli.train.checkpoint import load_checkpoint
-from test_resume_exact import RECSYS, SMALL, assert_identical, records, recsys
+from commands import RECSYS
+from test_resume_exact import SMALL, assert_identical, records, recsys
 
 DISK = ["+placement=disk", "placement.host_cache_rows=50", "placement.cache_ratio=0.2", "trainer.batch_size=64",
         "optimizer=adagrad", "trainer.progress=false", "trainer.checkpoint_every=30", "trainer.log_every=10",
@@ -38,9 +39,12 @@ def final_state(run: Path, steps: int) -> dict:
 @pytest.mark.parametrize("mode", [
     pytest.param(["+precision=int8"], id="int8"),
     # every rank has its own live file; rank 0 writes the checkpoint's chain, every rank resumes from it
-    pytest.param(["+precision=int8", "trainer.nproc=2"], id="int8-2-processes", marks=pytest.mark.slow),
+    # (cache_avg keeps fp32 tables; int8 on disk is the row above)
     pytest.param(["trainer.nproc=2", "trainer.embedding_sync=cache_avg", "trainer.sync_every=3"],
                  id="cache_avg-2-processes", marks=pytest.mark.slow),
+    # the same with gradient averaging and int8: the suite's time, so in `make verify`
+    pytest.param(["+precision=int8", "trainer.nproc=2"], id="int8-2-processes",
+                 marks=[pytest.mark.slow, pytest.mark.verify]),
 ])
 def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path, mode):
     steps = 90

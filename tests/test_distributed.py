@@ -26,12 +26,12 @@ from recsys_cli.errors import UserError
 from recsys_cli.train import distributed
 from recsys_cli.train.trainer import Trainer
 from recsys_cli.train.training_data import resolve_dataset
+from commands import RECSYS
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
 NPROC = 2
 STEPS = 30
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 # A bound on a whole command-line run that tells "finished" from "hung", never
 # a latency: these runs take 5-30 s, several times that on a loaded 2-core machine.
 HANG_S = 600

@@ -155,10 +155,12 @@ def test_test_files_run_alone_from_any_directory(tmp_path):
     directory: nothing puts the checkout on sys.path but the pytest
     configuration) collects: the files that import bench/, the shared
     helpers and each other's fixtures."""
+    # One pytest for all (each start costs seconds); the files that need bench/
+    # come first, so nothing a later file does to sys.path can help them.
     files = ["tests/test_sharding.py", "tests/test_gpu_check.py", "tests/test_cache_streams.py",
              "tests/test_device_paths.py"]
-    for name in files:
-        done = subprocess.run([sys.executable, "-c", "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
-                               "-p", "no:cacheprovider", "--collect-only", "-q", str(ROOT / name)],
-                              cwd=tmp_path, capture_output=True, text=True)
-        assert done.returncode == 0, (name, done.stdout[-2000:] + done.stderr[-2000:])
+    done = subprocess.run([sys.executable, "-c", "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))",
+                           "-p", "no:cacheprovider", "--collect-only", "-q", *(str(ROOT / name) for name in files)],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(f"{name}: " in done.stdout for name in files), done.stdout[-2000:]  # each collected

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_criteo_preprocess import RECSYS, make_rows, write_raw
+from commands import RECSYS, in_process
+from test_criteo_preprocess import make_rows, write_raw
 from train_config import config
 
 from data_tools.criteo import CriteoConfig, preprocess
@@ -144,7 +145,7 @@ def test_truncated_checkpoint_and_missing_shard(trained, tmp_path):
     assert not (tmp_path / "p.csv").exists()
 
 
-def test_cli_errors_are_one_line_exit_2(trained, tmp_path):
+def test_cli_errors_are_one_line_exit_2(trained, tmp_path, capsys, monkeypatch):
     cases = [
         ["predict", f"checkpoint={tmp_path / 'nope'}", f"input={tmp_path}", f"output={tmp_path / 'p.csv'}"],
         ["predict", f"checkpoint={trained['run']}", f"input={tmp_path / 'none.txt'}", f"output={tmp_path / 'p.csv'}"],
@@ -156,11 +157,15 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path):
         ["export", f"checkpoint={trained['run']}", "precision=int3"],
         ["export", f"checkpoint={tmp_path / 'nope'}"],
     ]
-    for argv in cases:
-        r = subprocess.run([str(RECSYS), *argv], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
-        assert r.returncode == 2, r.stderr
-        assert "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    monkeypatch.setenv("COLUMNS", "400")
+    for argv in cases:  # main() here: the process start-up is the same for every case
+        code, stderr = in_process(argv, capsys)
+        assert code == 2, stderr
+        assert stderr.startswith("error:") and len(stderr.strip().splitlines()) == 1, stderr
+    # and one through the installed entry point, as a user runs it
+    r = subprocess.run([RECSYS, *cases[0]], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # --------------------------------------------------------------------------- recsys evaluate

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_criteo_preprocess import RECSYS, write_raw
+from commands import RECSYS
+from test_criteo_preprocess import write_raw
 
 
 def real_like_rows(n: int, seed: int) -> list[list[str]]:

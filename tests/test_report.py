@@ -14,8 +14,8 @@ from rich.console import Console
 
 from recsys_cli.errors import UserError
 from recsys_cli.report import PLOT_NAMES, build_report, run_labels, run_report
+from commands import RECSYS
 
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "sparse_update", "dense_update", "eval")
 

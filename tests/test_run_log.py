@@ -7,9 +7,8 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
+from commands import RECSYS
 
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 STEP_LINE = re.compile(r"step (\d+)/60 \(\d+ %\) epoch 0 loss (\d+\.\d{4}) ([\d,]+) samples/s "
                        r"elapsed \d:\d\d:\d\d ETA \d:\d\d:\d\d$")

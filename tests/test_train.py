@@ -6,9 +6,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +19,10 @@ from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
 from devices import TEST_DEVICE, fresh_cuda_block
 from train_config import assert_states_equal, config, state_of, train
+from commands import RECSYS
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
-RECSYS = str(Path(sys.executable).with_name("recsys"))
 SMALL = ["dataset.synthetic.rows=20000", "dataset.synthetic.cardinality_scale=0.0005"]
 
 

@@ -15,7 +15,8 @@ RECSYS = str(Path(sys.executable).with_name("recsys"))
 def in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """(exit status, stderr) of `recsys ARGV` run by main() here: for commands
     that compose their config without Hydra's global state (predict, evaluate,
-    export, verify, report); train and preprocess need their own process."""
+    export, verify, report), and train's config errors found before Hydra
+    starts; anything that runs Hydra's app needs its own process."""
     from recsys_cli.cli import main
 
     capsys.readouterr()

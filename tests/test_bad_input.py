@@ -21,7 +21,7 @@ import torch
 from data_tools.manifest import MANIFEST_NAME
 from datasets import write_dataset
 from train_config import config
-from commands import RECSYS
+from commands import RECSYS, in_process
 
 
 
@@ -395,17 +395,24 @@ def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error):
 @pytest.mark.parametrize("override, needle", [
     ("trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
     ("+trainer.batchsize=3", "unknown key 'trainer.batchsize'"),
+    ("+placement=lookahead placement.polcy=lru", "unknown key 'placement.polcy'"),
+    ("+placement=lookahead placement.policy=fifo", "placement.policy='fifo' is not one of lru, lfu"),
     ("+placement=nowhere", "Could not find 'placement/nowhere' (options: auto, cache"),
     ("trainer.batch_size=many", "bad value for 'trainer.batch_size'"),
     ("trainer.max_steps=[1", "cannot parse the override"),
-    ("hydra.nokey=1", None),  # Hydra's own keys: Hydra's report, but exit 2 too
 ])
-def test_config_errors_exit_2_on_one_line(tmp_path, override, needle):
-    r = recsys("train", override, "hydra.run.dir=run", cwd=tmp_path)
-    if needle is None:
-        assert r.returncode == 2 and "nokey" in r.stderr, r.stderr
-    else:
-        assert_user_error(r, "bad configuration", needle)
+def test_config_errors_exit_2_on_one_line(tmp_path, monkeypatch, capsys, override, needle):
+    """Found before Hydra starts (and before torch loads, tests/test_run_log.py):
+    main() in this process, as the entry point calls it."""
+    monkeypatch.chdir(tmp_path)
+    code, stderr = in_process(["train", *override.split(), "hydra.run.dir=run"], capsys)
+    assert_user_error(subprocess.CompletedProcess([], code, "", stderr), "bad configuration", needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_hydras_own_keys_exit_2(tmp_path):
+    r = recsys("train", "hydra.nokey=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 2 and "nokey" in r.stderr, r.stderr  # Hydra's own report, but exit 2 too
     assert not (tmp_path / "run").exists()
 
 

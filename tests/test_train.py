@@ -69,14 +69,10 @@ def test_cli_train_writes_metrics_and_summary(tmp_path):
     assert summary["openmp_wait"] == (wait_policy.in_force() if chosen else "GOMP_SPINCOUNT=1000")
 
 
+# Keys and values the config schema refuses: tests/test_bad_input.py (test_config_errors_exit_2_on_one_line).
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.batchsize=3", "batchsize"),
-        ("+placement=lookahead placement.polcy=lru", "polcy"),
-        ("+placement=lookahead placement.policy=fifo", "placement.policy"),
-        ("+placement=nowhere", "nowhere"),
-        ("trainer.batch_size=many", "batch_size"),
         ("dataset=criteo_kaggle", "dataset.path"),
         ("dataset.path=/does/not/exist", "/does/not/exist"),
     ],

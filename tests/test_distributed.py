@@ -415,6 +415,34 @@ def test_the_launcher_config_builds_on_the_oldest_supported_torch(monkeypatch):
         assert distributed.launch_config(2).shutdown_timeout == distributed.PREEMPTION_WAIT_S
 
 
+def test_the_launcher_config_names_the_loopback_address_only():
+    """trainer.nproc=N runs on this machine: rendezvous and MASTER_ADDR on 127.0.0.1 (issue 40 item 8)."""
+    config = distributed.launch_config(2)
+    assert config.rdzv_endpoint.rsplit(":", 1)[0] == "127.0.0.1" and config.local_addr == "127.0.0.1"
+    assert config.rdzv_backend == distributed.RDZV_BACKEND and config.min_nodes == config.max_nodes == 1
+    assert distributed.loopback_interface() == "lo"  # Linux, as this suite runs
+
+
+@pytest.mark.slow  # several processes
+def test_a_launch_listens_on_the_loopback_address_only():
+    """torch.distributed has no authentication (issue 40 item 8): every
+    socket a `trainer.nproc=N` launch listens on, in the launcher (the
+    rendezvous store and the store the workers bootstrap from) and in each
+    worker (gloo's pairs), is bound to 127.0.0.1 while the group is up; the
+    workers are told MASTER_ADDR=127.0.0.1 and gloo's loopback interface, and
+    the launcher's environment is as it was after."""
+    import loopback_worker
+
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    ranks = distributed.launch(loopback_worker.report, 2)
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == before
+    for rank, got in ranks.items():
+        assert got["world"] == 2 and got["launcher"] and got["worker"], got  # the stores and gloo's pairs listen
+        exposed = [a for a in got["launcher"] + got["worker"] if not a.startswith("127.0.0.1:")]
+        assert not exposed, (rank, exposed)
+        assert got["MASTER_ADDR"] == "127.0.0.1" and got["GLOO_SOCKET_IFNAME"] == "lo", got
+
+
 TORCH_2_11_LAUNCH_FIELDS = [
     "min_nodes", "max_nodes", "nproc_per_node", "logs_specs", "run_id", "role", "rdzv_endpoint", "rdzv_backend",
     "rdzv_configs", "rdzv_timeout", "max_restarts", "monitor_interval", "start_method", "log_line_prefix_template",

@@ -81,7 +81,9 @@ _allowed = False
 
 def _allow_safe_globals() -> None:
     """torch's allowlist is process-wide (its context manager would take the
-    entries away under another thread's load): added once, never removed."""
+    entries away under another thread's load): added once, never removed,
+    and only when a file needs it (importing recsys_cli.config imports
+    hydra, which loading an export artifact must not)."""
     global _allowed
     if not _allowed:
         torch.serialization.add_safe_globals(safe_globals())
@@ -93,13 +95,18 @@ def torch_file(path: Path | str, what: str = "checkpoint file", mmap: bool = Fal
     tensors, numbers, strings and safe_globals(). A file holding anything
     else is UnsafeFile (one line naming it, nothing of it built); one that
     is not a torch file at all (truncated, foreign) is a UserError naming it."""
-    _allow_safe_globals()
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:  # torch's weights_only unpickler refused something
-        raise UnsafeFile(path, what, _refused(str(e))) from None
-    except Exception as e:  # a truncated or foreign file
-        raise UserError(f"cannot read {what} {path}: {_first_line(e)}") from None
+    for attempt in range(2):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as e:  # torch's weights_only unpickler refused something
+            holds = _refused(str(e))
+            if attempt == 0 and not _allowed and holds.startswith("recsys_cli.config."):
+                _allow_safe_globals()  # an older checkpoint's enums: allowed, then read again
+                continue
+            raise UnsafeFile(path, what, holds) from None
+        except Exception as e:  # a truncated or foreign file
+            raise UserError(f"cannot read {what} {path}: {_first_line(e)}") from None
+    raise AssertionError("unreachable")
 
 
 def _refused(message: str) -> str:

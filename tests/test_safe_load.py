@@ -32,6 +32,7 @@ from recsys_cli.errors import UserError
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import shard_checkpoint as sc
 from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, write_record
+from recsys_cli.verify import run_verify
 
 STEP = 4
 STEPS = dict(trainer__batch_size=50, optimizer__lr=LR, trainer__device="cpu")
@@ -187,16 +188,35 @@ def test_a_planted_payload_is_refused_by_every_reader_and_never_runs(run, tmp_pa
 
 def test_the_command_line_refuses_in_one_line_and_runs_nothing(run, tmp_path):
     """The issue's case: `recsys evaluate checkpoint=RUN` of a planted .pt
-    ran the command and printed metrics; now one line, exit 2. `recsys
-    verify` names a planted shard index without running it."""
+    ran the command and printed metrics; now one line, exit 2, no traceback.
+    `recsys verify` names a planted shard index without running it."""
     copy, path, marker = planted(run, tmp_path / "a", "pt")
     r = recsys("evaluate", f"checkpoint={copy}", "split=val", "device=cpu", "plots=false", "progress=false",
                f"output={tmp_path / 'eval'}", cwd=tmp_path)
     assert_user_error(r, f"refused checkpoint file {path}: it holds posix.system", safe_load.UPGRADE)
     copy, path, marker2 = planted(run, tmp_path / "b", "shard index")
-    r = recsys("verify", copy, cwd=tmp_path)
-    assert_user_error(r, f"refused shard index {path}: it holds posix.system", "1 problem(s) in 1 checkpoint(s)")
+    with pytest.raises(UserError) as error:  # `recsys verify RUN`, in process
+        run_verify([str(copy)])
+    assert str(error.value).startswith(f"refused shard index {path}: it holds posix.system"), str(error.value)
+    assert str(error.value).endswith("1 problem(s) in 1 checkpoint(s) of " + str(copy / "checkpoints"))
     assert not marker.exists() and not marker2.exists()
+
+
+def test_an_export_artifact_with_a_payload_is_refused(run, tmp_path):
+    """A format=module scorer (a torch.save record) with the payload beside
+    its state: load_scorer refuses it in one line naming it, and runs nothing;
+    load_metadata reads a .pt2's metadata without torch.export.load (which
+    would run what the program holds)."""
+    from recsys_cli.export import ExportConfig, export, load_scorer
+
+    artifact = tmp_path / "m.scorer.pt"
+    export(ExportConfig(checkpoint=str(run[2]), format="module", output=str(artifact)))
+    marker = tmp_path / "MARKER"
+    record = torch.load(artifact, weights_only=True)
+    torch.save({**record, "note": Plant(marker)}, artifact)
+    with pytest.raises(safe_load.UnsafeFile, match=f"^refused export artifact {artifact}: it holds posix.system"):
+        load_scorer(artifact)
+    assert not marker.exists()
 
 
 def test_an_older_checkpoint_with_config_enums_still_loads(run, tmp_path):

@@ -173,6 +173,8 @@ def test_a_planted_payload_is_refused_by_every_reader_and_never_runs(run, tmp_pa
     calls = readers(run, copy, tmp_path)
     if where == "shard file":  # read only by a sharded resume on the world size that saved it
         calls = {"sharded resume": lambda: sc.reader(path.parent).caches(0, 1), "verify": calls["verify"]}
+    if where == "shard index":  # and by each rank of a sharded resume reading its own rows (re-sharding)
+        calls["re-sharding"] = lambda: sc.load_shard(path.parent, "C1", 0, 1)
     for name, call in calls.items():
         if name == "verify":
             found = call()

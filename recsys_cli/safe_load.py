@@ -263,7 +263,7 @@ def upgrade(path: Path | str) -> str:
         raise UserError(f"{path} is not a checkpoint file (step-N.pt)")
     try:
         torch_file(path)
-        return f"{path} already holds plain data only: nothing to do"
+        return f"{path} already loads with torch.load(weights_only=True): nothing to do"
     except UnsafeFile:
         pass
     state = plain(torch.load(path, map_location="cpu", weights_only=False))

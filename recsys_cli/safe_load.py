@@ -8,7 +8,7 @@ in a way that cannot call anything the file names:
 * torch files (a checkpoint's step-N.pt, a sharded checkpoint's caches-R.pt,
   an export's format=module scorer): `torch.load(weights_only=True)`, which
   builds only tensors, numbers, strings and plain containers, plus the
-  allowlist SAFE_GLOBALS below. Anything else (a pickled object whose
+  allowlist of safe_globals() below. Anything else (a pickled object whose
   __reduce__ calls os.system) is refused before it is built: UnsafeFile,
   one line naming the file (exit 2).
 * DCP's index of a shard directory (.metadata, a plain pickle that

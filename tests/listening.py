@@ -1,5 +1,5 @@
-"""A launched worker that reports where it and its launcher listen (tests/test_distributed.py,
-test_a_launch_listens_on_the_loopback_address_only): importable by name, as spawned workers need."""
+"""Where a process listens: what a launched worker of tests/test_distributed.py records of itself and
+its launcher (test_a_launch_listens_on_the_loopback_address_only)."""
 
 from __future__ import annotations
 
@@ -37,19 +37,9 @@ def _host(hexed: str, width: int) -> str:
     return str(ipaddress.IPv6Address(b"".join(words)))
 
 
-def report() -> dict:
-    """Joined the group (gloo), with a collective done: the environment the
-    launcher gave, and what this worker and its launcher listen on."""
-    import torch
-    import torch.distributed as dist
-
-    from recsys_cli.train import distributed
-
-    distributed.init(timeout_s=60, device="cpu")
-    try:
-        box = torch.ones(1)
-        dist.all_reduce(box)  # the gloo pairs are connected
-        return {"MASTER_ADDR": os.environ.get("MASTER_ADDR"), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME"),
-                "world": int(box[0]), "worker": listening(os.getpid()), "launcher": listening(os.getppid())}
-    finally:
-        distributed.teardown()
+def network() -> dict:
+    """In a launched worker whose group is up and has communicated: the
+    environment the launcher gave, and what this worker (gloo's pairs) and
+    its launcher (the rendezvous and bootstrap stores) listen on."""
+    return {"MASTER_ADDR": os.environ.get("MASTER_ADDR"), "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "worker": listening(os.getpid()), "launcher": listening(os.getppid())}

@@ -31,10 +31,11 @@ CRC-32 first: a damaged file is an error naming it.
 
 Trust (issue 40): a format=module artifact is data (safe_load.py reads it
 with weights_only=True: a file holding anything else is refused, one line).
-A .pt2 is a program: torch.export.load runs what the file holds (its
-guards are Python code it execs, its symbolic shapes go through sympy's
-eval, some members are unpickled in full), so load_scorer on a .pt2 trusts
-the file; share format=module artifacts with people who should not have to.
+A .pt2 is a program: torch.export.load(path).module() runs what the file
+holds (its guards are Python code .module() execs, its symbolic shapes go
+through sympy's eval on load, some members are unpickled in full), so
+load_scorer on a .pt2 trusts the file; share format=module artifacts with
+people who should not have to.
 load_metadata reads either without running anything (a .pt2's metadata
 straight from its archive). No recsys command reads a .pt2.
 

@@ -29,6 +29,16 @@ mapping of raw values to ids, so it scores raw Criteo fields. Two formats:
 Both score alike bit for bit (tested). load_scorer checks every record's
 CRC-32 first: a damaged file is an error naming it.
 
+Trust (issue 40): a format=module artifact is data (safe_load.py reads it
+with weights_only=True: a file holding anything else is refused, one line).
+A .pt2 is a program: torch.export.load(path).module() runs what the file
+holds (its guards are Python code .module() execs, its symbolic shapes go
+through sympy's eval on load, some members are unpickled in full), so
+load_scorer on a .pt2 trusts the file; share format=module artifacts with
+people who should not have to.
+load_metadata reads either without running anything (a .pt2's metadata
+straight from its archive). No recsys command reads a .pt2.
+
 `raw_inputs(lines)` turns TSV lines into those two tensors. Inside the
 program the dense values go through preprocessing's transform (log1p of
 max(x, 0) in float64, rounded to float32: data_tools/criteo_text.py) and
@@ -368,10 +378,9 @@ def artifact_format(path: str | Path) -> str:
 
 
 def _read_scorer(path: Path) -> dict:
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch's unpickler raises many kinds; the reason's first line names it
-        raise UserError(f"cannot read {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    from recsys_cli import safe_load
+
+    record = safe_load.torch_file(path, "export artifact")  # weights_only: code in it is refused, never run
     if not isinstance(record, dict) or record.get("format") != SCORER_FORMAT:
         found = record.get("format") if isinstance(record, dict) else type(record).__name__
         raise UserError(f"{path} is not a recsys scorer ({SCORER_FORMAT!r} expected, found {found!r})")
@@ -384,7 +393,9 @@ def load_scorer(path: str | Path) -> nn.Module:
     torch.export.load(path).module(); format=module rebuilds ScoringModule
     (this file's RawIds, inference.py's InferenceTables, the DLRM) from its
     record, without importing torch.export's reader. Damaged or foreign
-    files: a one-line UserError naming the file."""
+    files: a one-line UserError naming the file. A .pt2 must be trusted
+    (torch.export.load runs code it holds; see above); a format=module file
+    that holds anything but plain data is refused (safe_load.UnsafeFile)."""
     path = Path(path).expanduser()
     if artifact_format(path) == "pt2":
         try:
@@ -416,9 +427,19 @@ def load_metadata(path: str | Path) -> dict:
     path = Path(path).expanduser()
     if artifact_format(path) == "module":
         return _read_scorer(path)["metadata"]
-    extra = {METADATA: ""}
-    torch.export.load(path, extra_files=extra)
-    return json.loads(extra[METADATA])
+    # Read from the archive itself, not through torch.export.load: that
+    # deserializes the program, which runs what the file holds (its guards'
+    # code, sympy expressions, pickles): metadata never needs that.
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.count("/") == 2 and n.split("/", 1)[1] == f"extra/{METADATA}"]
+        if not names:
+            raise UserError(f"{path} holds no recsys metadata (extra/{METADATA}): not a recsys export artifact")
+        try:
+            return json.loads(z.read(names[0]))
+        except ValueError as e:
+            raise UserError(f"{path}: its extra/{METADATA} is not JSON ({e})") from None
 
 
 def run_export(overrides: list[str]) -> None:

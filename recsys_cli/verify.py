@@ -9,7 +9,10 @@ checks everything up front, e.g. after copying a dataset.)
 
 A run directory (its checkpoints/ folder) or a checkpoint directory: every
 file of every checkpoint in it (the .pt, each disk base and delta) must
-have the size and checksum its record (step-N.files.json) holds.
+have the size and checksum its record (step-N.files.json) holds, and every
+file recsys unpickles (the .pt, a shard directory's .metadata and
+caches-R.pt) must hold plain data only (safe_load.py): one that would be
+refused as able to run code is a problem too, found without running it.
 """
 
 from __future__ import annotations
@@ -70,16 +73,18 @@ def checkpoint_directory(directory: Path) -> Path | None:
 
 
 def verify_checkpoints(directory: Path) -> None:
+    from recsys_cli.train.checkpoint import unsafe_problems
     from recsys_cli.train.checkpoint_record import checkpoint_problems
 
     checkpoints = sorted(directory.glob("step-*.pt"))
-    found = [line for ckpt in checkpoints for line in checkpoint_problems(ckpt)]
+    found = [line for ckpt in checkpoints for line in checkpoint_problems(ckpt) or unsafe_problems(ckpt)]
     for line in found[1:]:
         print(f"damaged: {line}")
     if found:
         more = f" ({len(found) - 1} more above)" if len(found) > 1 else ""
         raise UserError(f"{found[0]}{more}; {len(found)} problem(s) in {len(checkpoints)} checkpoint(s) of {directory}")
-    print(f"ok: {directory}: {len(checkpoints)} checkpoint(s), every file's size and checksum match its record")
+    print(f"ok: {directory}: {len(checkpoints)} checkpoint(s), every file's size and checksum match its record, "
+          "and every file holds plain data only")
 
 
 def run_verify(args: list[str]) -> None:

@@ -67,6 +67,8 @@ def result(trainer: Trainer) -> dict:
 
 def train_runs(runs: list[tuple[str, dict]]) -> dict:
     """A worker: train every (name, config) in turn; every rank returns its results."""
+    import listening
+
     ctx = distributed.init(timeout_s=60, device="cpu")
     out = {}
     for name, container in runs:
@@ -74,6 +76,8 @@ def train_runs(runs: list[tuple[str, dict]]) -> dict:
         trainer.record_losses = True
         trainer.fit()
         out[name] = result(trainer)
+        if "network" not in out:  # the group is up and has communicated: where this launch listens
+            out["network"] = listening.network()
     distributed.teardown()
     return out
 
@@ -159,8 +163,10 @@ def runs(cache_dir, tmp_path_factory):
         "one_to_cache_avg": resumed(ck_one, **AVG_EVERY_STEP),
     }
     start = time.perf_counter()
+    gloo_before = os.environ.get("GLOO_SOCKET_IFNAME")
     ranks = distributed.launch(train_runs, NPROC, [(name, plain(cfg)) for name, cfg in configs.items()])
     out = ranks[0]
+    out["launcher_environment_restored"] = os.environ.get("GLOO_SOCKET_IFNAME") == gloo_before
     out["other_ranks"] = [ranks[r] for r in range(1, NPROC)]
     print(f"\n{NPROC}-process runs: {time.perf_counter() - start:.1f} s")
     out["checkpoint_dir"], out["cache_avg_checkpoint_dir"] = ckpt, ck_avg
@@ -413,6 +419,32 @@ def test_the_launcher_config_builds_on_the_oldest_supported_torch(monkeypatch):
     monkeypatch.undo()
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(launcher_api.LaunchConfig)}:
         assert distributed.launch_config(2).shutdown_timeout == distributed.PREEMPTION_WAIT_S
+
+
+def test_the_launcher_config_names_the_loopback_address_only():
+    """trainer.nproc=N runs on this machine: rendezvous and MASTER_ADDR on 127.0.0.1 (issue 40 item 8)."""
+    config = distributed.launch_config(2)
+    assert config.rdzv_endpoint.rsplit(":", 1)[0] == "127.0.0.1" and config.local_addr == "127.0.0.1"
+    assert config.rdzv_backend == distributed.RDZV_BACKEND and config.min_nodes == config.max_nodes == 1
+    assert distributed.loopback_interface() == "lo"  # Linux, as this suite runs
+
+
+@pytest.mark.slow  # several processes
+def test_a_launch_listens_on_the_loopback_address_only(runs):
+    """torch.distributed has no authentication (issue 40 item 8): every
+    socket the launch of this file's runs listens on, in the launcher (the
+    rendezvous store and the store the workers bootstrap from) and in each
+    worker (gloo's pairs), is bound to 127.0.0.1 while the group is up (each
+    rank looked after its first run); the workers are told
+    MASTER_ADDR=127.0.0.1 and gloo's loopback interface, and the launcher's
+    environment is as it was before."""
+    assert runs["launcher_environment_restored"]  # the workers' GLOO_SOCKET_IFNAME was not left in this process
+    for rank, ranked in enumerate([runs, *runs["other_ranks"]]):
+        got = ranked["network"]
+        assert got["launcher"] and got["worker"], got  # the stores and gloo's pairs were seen listening
+        exposed = [a for a in got["launcher"] + got["worker"] if not a.startswith("127.0.0.1:")]
+        assert not exposed, (rank, exposed)
+        assert got["MASTER_ADDR"] == "127.0.0.1" and got["GLOO_SOCKET_IFNAME"] == "lo", got
 
 
 TORCH_2_11_LAUNCH_FIELDS = [

@@ -15,7 +15,10 @@ Every file a checkpoint consists of is checksummed while it is written
 step-NNNNNNNN.files.json (checkpoint_record.py), is renamed into place
 before the .pt. load_checkpoint checks the .pt against it before torch
 reads it (the disk files are checked as they are read), so a damaged
-checkpoint is one line naming the file, for every reader.
+checkpoint is one line naming the file, for every reader. The .pt holds
+plain data only (safe_load.plain on save) and is read with
+torch.load(weights_only=True) (safe_load.torch_file): a file that holds
+anything that could run code is refused unread, one line naming it.
 
 A sharded run's tables (issue 29) are not in the .pt: its "tables" is a
 reference, {"sharded": "step-NNNNNNNN.shards", "plan": ...}, to the
@@ -35,6 +38,7 @@ from typing import IO, cast
 
 import torch
 
+from recsys_cli import safe_load
 from recsys_cli.checksum import DamagedFile, HashingWriter, file_problem
 from recsys_cli.embeddings.disk_checkpoint import collect_garbage, is_disk_table
 from recsys_cli.embeddings.quant import patched_entry
@@ -67,7 +71,8 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         # record of the zip as torch streams it out.
         with open(tmp, "wb") as f:
             out = HashingWriter(f)
-            torch.save(state, cast(IO[bytes], out))  # a file object in all but name: write, flush, fileno
+            # plain data only (config enums as their strings): what load_checkpoint reads with weights_only
+            torch.save(safe_load.plain(state), cast(IO[bytes], out))  # a file object in all but name
             f.flush()
             os.fsync(f.fileno())
         writing = record_path(path)
@@ -272,6 +277,30 @@ def verify_checkpoint_file(path: Path) -> None:
         raise DamagedFile(path, problem)
 
 
+def unsafe_problems(path: Path) -> list[str]:
+    """One line per file of the checkpoint at `path` that would be refused
+    as holding something other than plain data (safe_load.py): the .pt and,
+    for a sharded one, its shard directory's .metadata and caches-R.pt. Each
+    is unpickled as its readers do (the .pt memory-mapped: its tensors are
+    not read); nothing any of them holds is built or run. For `recsys verify`."""
+    path = Path(path)
+    found: list[str] = []
+    checks = [(path, lambda p: safe_load.torch_file(p, mmap=True))]
+    directory = shards.shard_dir_of(path)
+    if directory.is_dir():
+        checks.append((directory / shards.METADATA, safe_load.dcp_metadata))
+        checks += [(c, lambda p: safe_load.torch_file(p, "shard file", mmap=True))
+                   for c in sorted(directory.glob("caches-*.pt"))]
+    for file, load in checks:
+        try:
+            load(file)
+        except safe_load.UnsafeFile as e:
+            found.append(str(e))
+        except UserError:
+            pass  # not unsafe, unreadable: the checksums name a damaged file
+    return found
+
+
 def intact_before(path: Path) -> Path | None:
     """The newest checkpoint older than `path` in its directory whose every
     file matches its record (reads them whole), or None."""
@@ -297,10 +326,7 @@ def load_checkpoint(path: Path, keep_patches: bool = False, whole_tables: bool =
     sharded resume in which each rank reads its own rows
     (shard_checkpoint.load_shard, load_rank_caches)."""
     verify_checkpoint_file(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file
-        raise UserError(f"cannot read checkpoint {path}: {e}") from None
+    state = safe_load.torch_file(path)  # weights_only: a file that holds code is refused, never run
     tables = (state.get("tables") or {}) if isinstance(state, dict) else {}
     if shards.is_sharded(tables):
         directory = _checked_shard_dir(Path(path), tables["sharded"])

@@ -13,8 +13,9 @@ strategies/). Two ways to start them:
   rank 0's directory exists and matters.
 * ``recsys train trainer.nproc=N``: the Hydra app composes the config and the
   run directory once, then `launch` starts N workers through torch.distributed's
-  own launcher (``elastic_launch`` + ``LaunchConfig``: c10d rendezvous on
-  127.0.0.1 at a free port, max_restarts=0). Each worker
+  own launcher (``elastic_launch`` + ``LaunchConfig``: c10d's rendezvous on
+  127.0.0.1 at a free port, max_restarts=0; everything it and the workers
+  listen on bound to 127.0.0.1, see launch_config). Each worker
   (distributed_app.worker_main) gets the resolved config as a plain container
   and the run directory.
 
@@ -330,19 +331,100 @@ def check_process_count(cfg) -> None:
                         "trainer.oversubscribe=true to start them anyway)")
 
 
+# --- the launcher: one machine, reachable from it alone ----------------------------------
+#
+# torch.distributed has no authentication: whoever reaches a rendezvous store
+# or a gloo pair can join the run or feed it data. `trainer.nproc=N` starts
+# its workers on this machine only, so everything it listens on is bound to
+# the loopback address: the rendezvous store and the store the workers
+# bootstrap from (torch's TCPStore servers listen on every interface
+# whatever host they are given; these are handed a socket bound to
+# 127.0.0.1), MASTER_ADDR (LaunchConfig.local_addr), and gloo's pairs
+# (GLOO_SOCKET_IFNAME: the loopback interface, in the workers' environment).
+
+LOOPBACK = "127.0.0.1"
+RDZV_BACKEND = "recsys-loopback"  # c10d's dynamic rendezvous, its store servers on LOOPBACK
+
+
+def loopback_store(port: int = 0) -> Any:
+    """A TCPStore server listening on LOOPBACK:port only (0: a free port),
+    through a socket bound there that the store takes over."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(128)
+        store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              multi_tenant=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns (and closes) the descriptor now
+    return store
+
+
+def _loopback_handler(params: Any) -> Any:
+    """The c10d rendezvous handler (as torch's "c10d" backend builds it), but
+    with its rendezvous store and the store it shares with the workers
+    (created when the rendezvous completes) listening on LOOPBACK only."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    if host != LOOPBACK:
+        raise ValueError(f"the {RDZV_BACKEND} rendezvous runs on {LOOPBACK}, not {host}")
+    class LoopbackBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # the handler's backend must be the one the launcher asked for
+            return RDZV_BACKEND
+
+    store = loopback_store(port)
+    handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
+    # The bootstrap store for the workers (torch binds it to every interface):
+    # created by this hook; tests/test_distributed.py checks every listening
+    # socket of a launch, so a torch that stops calling it is caught.
+    setattr(handler, "_create_tcp_store_server", lambda addr, port: loopback_store(port))  # noqa: B010
+    return handler
+
+
+def _register_loopback_rendezvous() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    registry.register(RDZV_BACKEND, _loopback_handler)  # again with the same creator: a no-op
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (lo on Linux, lo0 on the BSDs), or None."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), None))
+
+
 def launch_config(nproc: int, monitor_interval: float = 0.1):
     """The elastic launcher's LaunchConfig for `nproc` local workers, built on
     whatever torch is installed: the fields every supported torch has, plus
-    the ones newer releases added (OPTIONAL_LAUNCH_FIELDS) where it has them."""
+    the ones newer releases added (OPTIONAL_LAUNCH_FIELDS) where it has them.
+    Rendezvous, store and MASTER_ADDR on LOOPBACK (see above)."""
     from torch.distributed.launcher.api import LaunchConfig
 
+    _register_loopback_rendezvous()
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
     optional = {name: value for name, value in OPTIONAL_LAUNCH_FIELDS.items() if name in fields}
     return LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"recsys-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=monitor_interval, start_method="spawn", **optional,
+        rdzv_backend=RDZV_BACKEND, rdzv_endpoint=f"{LOOPBACK}:{free_port()}", local_addr=LOOPBACK,
+        max_restarts=0, monitor_interval=monitor_interval, start_method="spawn", **optional,
     )
+
+
+def _worker_environment() -> dict[str, str]:
+    """What the workers' environment gets for a launch on this machine:
+    gloo's pairs on the loopback interface."""
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
 def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1) -> dict[int, Any]:
@@ -361,6 +443,9 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
+    env = _worker_environment()
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the spawned workers inherit it
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
@@ -368,6 +453,11 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # --- Hydra runs under torchrun -------------------------------------------------------------

@@ -29,7 +29,10 @@ stream), the manifest carries its own checksum, and the checkpoint's record
 (step-NNNNNNNN.files.json, written by checkpoint.save_checkpoint) names
 every file of the directory, so `recsys verify` and a resume's search for an
 intact checkpoint check the shards too. Readers check each file before it
-is read (DamagedFile: one line naming it).
+is read (DamagedFile: one line naming it), and nothing read can run code
+(safe_load.py): caches-R.pt with torch.load(weights_only=True), .metadata
+with an unpickler that finds only DCP's metadata classes, DCP's reader
+through the same, and non-tensor items refused.
 
 Reading needs no process group: load_shard gives the entry for any row
 range of a table, cut from and joined across the saved pieces that overlap
@@ -56,6 +59,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from recsys_cli import safe_load
 from recsys_cli.checksum import ALGORITHM, Checksum, DamagedFile, HashingWriter, file_problem
 from recsys_cli.embeddings.disk_checkpoint import DiskTableSnapshot
 from recsys_cli.embeddings.disk_records import RecordCodec
@@ -237,7 +241,7 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
 def _save_caches(path: Path, caches: Any, rank: int, world_size: int) -> dict:
     with open(path, "wb") as f:
         out = HashingWriter(f)
-        torch.save({"rank": rank, "world_size": world_size, "caches": caches}, cast(IO[bytes], out))
+        torch.save(safe_load.plain({"rank": rank, "world_size": world_size, "caches": caches}), cast(IO[bytes], out))
         f.flush()
         os.fsync(f.fileno())
     return out.checksum.record()
@@ -537,13 +541,8 @@ class ShardReader:
 
     def metadata(self) -> Any:
         if self._metadata is None:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            self.check(METADATA)
-            try:
-                self._metadata = FileSystemReader(self.directory).read_metadata()
-            except Exception as e:
-                raise UserError(f"cannot read {self.directory / METADATA}: {e}") from None
+            # DCP's reader would pickle.load it: only the DCP metadata classes may be found
+            self._metadata = safe_load.dcp_metadata(self.check(METADATA))
             self._file_of = {index.fqn: info.relative_path for index, info in self._metadata.storage_data.items()}
         return self._metadata
 
@@ -551,6 +550,7 @@ class ShardReader:
         """The piece's entry as saved ({"precision", fields, "state", "patch"?})."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = self.metadata()
         keys = piece.keys()
@@ -559,12 +559,15 @@ class ShardReader:
             md = metadata.state_dict_metadata.get(key)
             if md is None or key not in self._file_of:
                 raise UserError(f"{self.directory}: {key!r} is in its manifest but not in {METADATA}")
+            if not isinstance(md, TensorStorageMetadata):  # DCP would unpickle it with weights_only=False
+                raise UserError(f"{self.directory / METADATA}: {key!r} is not a tensor (recsys writes tensors only)")
             self.check(self._file_of[key])
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
         try:
             with warnings.catch_warnings():  # that it assumes a single process: it is told so
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(targets, storage_reader=dcp.FileSystemReader(self.directory), no_dist=True)
+                dcp.load(targets, storage_reader=safe_load.safe_dcp_reader(self.directory),
+                         planner=safe_load.tensors_only_planner(), no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise UserError(f"cannot read the shards of {self.directory}: {str(e).splitlines()[0]}") from None
         entry: dict = {"precision": piece.precision}
@@ -645,10 +648,9 @@ class ShardReader:
         if name not in self.manifest["files"]:
             return None
         path = self.check(name)
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+        saved = safe_load.torch_file(path, "shard file")  # weights_only: code in it is refused, never run
+        if not isinstance(saved, dict) or "caches" not in saved:
+            raise UserError(f"shard file {path} holds no caches")
         return saved["caches"]
 
 

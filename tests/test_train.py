@@ -140,8 +140,9 @@ def test_resume_ends_where_an_uninterrupted_run_ends(cache_dir, tmp_path, first,
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-    # keep_last=1 and keep_best: the run keeps one checkpoint and the best, and still resumes exactly.
-    args = [*SMALL, "trainer.max_steps=1200", "trainer.epochs=3", "trainer.batch_size=32", "trainer.checkpoint_every=100",
+    # keep_last=1 and keep_best: the run keeps one checkpoint and the best, and still resumes exactly;
+    # 600 steps of 32 cross an epoch's end (the small data's train split) after the resume.
+    args = [*SMALL, "trainer.max_steps=600", "trainer.epochs=3", "trainer.batch_size=32", "trainer.checkpoint_every=100",
             "trainer.progress=false", "+placement=lookahead", "placement.cache_ratio=0.5", "trainer.keep_last=1",
             "trainer.keep_best=true", "trainer.eval_every=200"]
     reference = recsys("train", *args, "hydra.run.dir=ref", cwd=tmp_path)
@@ -156,19 +157,19 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = json.loads(latest.read_text())["step"]
-    assert killed_at < 1200, "the run finished before it could be killed"
+    assert killed_at < 600, "the run finished before it could be killed"
     resumed = recsys("train", *args, "trainer.resume=true", "hydra.run.dir=resumed",
                      "trainer.checkpoint_dir=killed/checkpoints", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    ref = torch.load(tmp_path / "ref" / "checkpoints" / "step-00001200.pt", weights_only=False)
-    end = torch.load(tmp_path / "killed" / "checkpoints" / "step-00001200.pt", weights_only=False)
+    ref = torch.load(tmp_path / "ref" / "checkpoints" / "step-00000600.pt", weights_only=False)
+    end = torch.load(tmp_path / "killed" / "checkpoints" / "step-00000600.pt", weights_only=False)
     assert_states_equal(ref, end)
     ref_final = json.loads((tmp_path / "ref" / "summary.json").read_text())["final"]
     end_final = json.loads((tmp_path / "resumed" / "summary.json").read_text())["final"]
     assert ref_final == end_final
     kept = lambda run: sorted(p.name for p in (tmp_path / run / "checkpoints").glob("step-*.pt"))  # noqa: E731
     best = json.loads((tmp_path / "ref" / "checkpoints" / "best.json").read_text())
-    assert kept("ref") == kept("killed") == sorted({"step-00001200.pt", best["file"]})
+    assert kept("ref") == kept("killed") == sorted({"step-00000600.pt", best["file"]})
     assert json.loads((tmp_path / "killed" / "checkpoints" / "best.json").read_text()) == best
     assert_states_equal(torch.load(tmp_path / "ref" / "checkpoints" / best["file"], weights_only=False),
                         torch.load(tmp_path / "killed" / "checkpoints" / best["file"], weights_only=False))

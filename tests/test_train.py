@@ -205,7 +205,7 @@ def test_lookahead_reports_cache_and_window(cache_dir, tmp_path):
 def test_dedup_on_equals_off_on_session_data(cache_dir, placement):
     common = dict(dataset__name="synthetic_sessions", dataset__synthetic__sessions=True,
                   dataset__synthetic__multi_hot_features=2, dataset__synthetic__multi_hot_max_length=30,
-                  dedup__keep_sessions=True, trainer__max_steps=60, placement__kind=placement,
+                  dedup__keep_sessions=True, trainer__max_steps=30, placement__kind=placement,
                   placement__cache_ratio=0.5)
     off = train(config(cache_dir, **common, dedup__enabled=False))
     on = train(config(cache_dir, **common, dedup__enabled=True))

@@ -13,11 +13,13 @@ naming the path, before any work.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,110 @@ def test_predict_evaluate_export_and_report_refuse_a_held_output(tmp_path, capsy
     assert code == 2 and f"is in use by another recsys report (pid {os.getpid()})" in one_error_line(err), err
     assert not (runs / "report.csv").exists()
 
+
+# --- item 3: unwritable places ------------------------------------------------------------------------------------
+
+CLONE_NEWNS, MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 1, 32, 4096, 16384, 1 << 18
+NO_NAMESPACE = 77  # the child could not make its mount namespace: not root, or no CAP_SYS_ADMIN
+
+
+def in_read_only(read_only: list[Path], argv: list[str], env: dict[str, str], tmp_path: Path) -> tuple[int, str]:
+    """`recsys ARGV` in a forked child whose own mount namespace has each of
+    `read_only` bind-mounted read-only (the test's files stay writable for
+    everyone else); returns the exit code and stderr."""
+    err_file = tmp_path / f"stderr-{len(list(tmp_path.glob('stderr-*')))}"
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 70
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(CLONE_NEWNS) or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None):
+                os._exit(NO_NAMESPACE)
+            for path in read_only:
+                p = str(path).encode()
+                if libc.mount(p, p, None, MS_BIND, None) or libc.mount(
+                        b"none", p, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None):
+                    os._exit(NO_NAMESPACE)
+            fd = os.open(err_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = sys.stderr = open(2, "w", closefd=False)
+            os.environ.update(env)
+            os.chdir(tmp_path)  # a run directory the start made below it is removed when the start fails
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"recsys {' '.join(argv)} did not end within 120 s")
+        time.sleep(0.02)
+    code = os.waitstatus_to_exitcode(status)
+    if code == NO_NAMESPACE:
+        pytest.skip("needs a private mount namespace (root, CAP_SYS_ADMIN)")
+    return code, err_file.read_text() if err_file.exists() else ""
+
+
+@pytest.fixture
+def places(tmp_path):
+    ro = tmp_path / "ro"
+    (ro / "cache").mkdir(parents=True)
+    (tmp_path / "rw").mkdir()
+    return ro, tmp_path / "rw", {"RECSYS_CACHE": str(tmp_path / "rw" / "cache"), "COLUMNS": "200"}
+
+
+TINY = ["trainer.max_steps=2", "trainer.progress=false", "dataset.synthetic.rows=2000"]
+
+
+def test_a_read_only_run_directory_is_one_line(places, tmp_path):
+    """It was Hydra's traceback (OSError: [Errno 30] Read-only file system) from its makedirs."""
+    ro, rw, env = places
+    code, err = in_read_only([ro], ["train", f"hydra.run.dir={ro / 'run'}", *TINY], env, tmp_path)
+    assert code == 2, err
+    assert one_error_line(err) == f"error: cannot write run directory {ro / 'run'}: Read-only file system ({ro})"
+    assert not (ro / "run").exists()
+
+
+def test_a_read_only_checkpoint_directory_is_one_line_before_the_run_starts(places, tmp_path):
+    ro, rw, env = places
+    code, err = in_read_only([ro], ["train", f"hydra.run.dir={rw / 'run'}", f"trainer.checkpoint_dir={ro / 'ck'}",
+                                    *TINY], env, tmp_path)
+    assert code == 2, err
+    assert one_error_line(err) == f"error: cannot write checkpoint directory {ro / 'ck'}: Read-only file system ({ro})"
+    assert not (rw / "run").exists()  # refused before Hydra made the run directory
+
+
+def test_a_read_only_dataset_cache_is_one_line(places, tmp_path):
+    """RECSYS_CACHE on a read-only mount: the cache's lock file was an OSError traceback."""
+    ro, rw, env = places
+    code, err = in_read_only([ro], ["train", "hydra.run.dir=rw/run", *TINY],
+                             {**env, "RECSYS_CACHE": str(ro / "cache")}, tmp_path)
+    assert code == 2, err
+    assert one_error_line(err) == (f"error: cannot write the dataset cache {ro / 'cache'} (RECSYS_CACHE, "
+                                   "dataset.cache_dir): Read-only file system")
+    assert not (rw / "run").exists()  # the failed start removed the run directory it made
+
+
+@pytest.mark.parametrize("command", [
+    ["preprocess", "synthetic", "rows=500", "format=tsv", "progress=false"],
+    ["predict", "checkpoint=run", "input=in.tsv"],  # refused before the checkpoint is looked for
+])
+def test_a_read_only_output_file_is_one_line(places, tmp_path, command):
+    ro, rw, env = places
+    out = ro / "out.tsv"
+    code, err = in_read_only([ro], [*command, f"output={out}"], env, tmp_path)
+    assert code == 2, err
+    assert one_error_line(err) == f"error: cannot write output {out}: Read-only file system ({ro / '.out.tsv.lock'})"
+    assert [p.name for p in ro.iterdir()] == ["cache"]  # nothing was written

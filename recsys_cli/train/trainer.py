@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from recsys_cli import wait_policy
-from recsys_cli.config import DROP_LAST_RANKS, validate
+from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.device import (allocated_by, pageable_sites, require_dense_precision, resolve_device, runtime_for,
                                sum_copies)
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import build_embeddings
+from recsys_cli.embeddings.placement import build_embeddings, table_placements
+from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.embeddings.sharded import build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
@@ -66,6 +67,10 @@ class Trainer:
         require_dense_precision(cfg.model.dense_precision, self.device)  # before any table is built
         self.data = data = training_data(cfg)
         features, vocab_sizes = data.features, data.vocab_sizes
+        if cfg.precision.cache_ratio is not None and cfg.placement.kind != "auto":  # the tables' real placements
+            kinds = table_placements([TableSpec(f, n, cfg.model.embedding_dim) for f, n in zip(features, vocab_sizes)],
+                                     cfg.placement)
+            check_precision_cache_ratio(cfg, set(kinds.values()))
 
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer

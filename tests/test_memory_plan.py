@@ -165,3 +165,21 @@ def test_the_plan_is_within_15_percent_of_the_peak(wide_tables, tmp_path, name):
     assert plan["host_bytes"] > 0.3 * peak  # what the plan itemises is a part of the peak a miss would show
     print(f"{name}: planned {expected / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB ({expected / peak:.3f})")
     assert abs(expected - peak) <= 0.15 * peak, (name, expected, peak, plan["host"])
+
+
+def test_the_cgroup_limit_is_read_for_v2_and_v1(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "memory.max").write_text("1073741824\n")
+    (tmp_path / "job" / "memory.current").write_text("268435456\n")
+    assert memory_plan.cgroup_room(tmp_path, proc)[0] == 768 << 20
+    (tmp_path / "job" / "memory.max").write_text("max\n")  # no limit
+    assert memory_plan.cgroup_room(tmp_path, proc) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "job").mkdir(parents=True)
+    proc.write_text("4:memory:/job\n0::/\n")
+    (v1 / "memory" / "job" / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory" / "job" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    room, why = memory_plan.cgroup_room(v1, proc)
+    assert room == 1 << 30 and why == "the cgroup's limit 2.0 GiB, 1.0 GiB in use"

@@ -262,12 +262,12 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def cgroup_room() -> tuple[int, str] | None:
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"),
+                proc_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[int, str] | None:
     """Bytes left under this process's cgroup memory limit, if it has one (v2, then v1)."""
-    root = Path("/sys/fs/cgroup")
     candidates = []
     try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in proc_cgroup.read_text().splitlines():
             hierarchy, controllers, path = line.split(":", 2)
             if hierarchy == "0":
                 candidates.append((root / path.lstrip("/"), "memory.max", "memory.current"))

@@ -140,11 +140,11 @@ PLACEMENTS = {
 
 @pytest.fixture(scope="module")
 def wide_tables(tmp_path_factory):
-    """Few rows, wide vocabularies: tables of 150 MB in fp32, a fifth of the process's peak and more."""
+    """Few rows, wide vocabularies: tables of 77 MB in fp32, a sixth of the process's peak."""
     from datasets import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("wide"), {"train": 1000, "val": 200, "test": 0}, onehot=4,
-                         vocab=600_000, row_group_size=500, shard_rows=1000)
+                         vocab=300_000, row_group_size=500, shard_rows=1000)
 
 
 @pytest.mark.parametrize("name", [
@@ -162,7 +162,7 @@ def test_the_plan_is_within_15_percent_of_the_peak(wide_tables, tmp_path, name):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     plan, peak = out["plan"], out["peak"]
     expected = plan["rss_before_bytes"] + plan["host_bytes"]
-    assert plan["host_bytes"] > 0.3 * peak  # what the plan itemises is a part of the peak a miss would show
+    assert plan["host_bytes"] > 0.2 * peak  # what the plan itemises is a part of the peak a miss would show
     print(f"{name}: planned {expected / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB ({expected / peak:.3f})")
     assert abs(expected - peak) <= 0.15 * peak, (name, expected, peak, plan["host"])
 

@@ -646,12 +646,16 @@ def default_dataset(cfg: SyntheticConfig, cache_dir: Path | None = None) -> Path
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create the dataset cache {cache}: {e.strerror or e}") from None
+        raise UserError(f"cannot write the dataset cache {cache} (RECSYS_CACHE, dataset.cache_dir): {e.strerror or e}") from None
     target = (cache / f"synthetic-{config_hash(cfg)}").absolute()
     if _valid(target):
         return target
     lock_path = cache / f".{target.name}.lock"
-    with open(lock_path, "w") as lock:
+    try:  # the first write into the cache: a read-only one is one line naming it, before any work
+        lock = open(lock_path, "w")
+    except OSError as e:
+        raise UserError(f"cannot write the dataset cache {cache} (RECSYS_CACHE, dataset.cache_dir): {e.strerror or e}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if _valid(target):

@@ -452,6 +452,45 @@ def validate(cfg: Any) -> None:
                             "replicas for trainer.embedding_sync=cache_avg to average; use embedding_sync=grad")
     if cfg.model.top_mlp[-1] != 1:
         raise UserError(f"model.top_mlp must end in 1 (one logit), got {list(cfg.model.top_mlp)}")
+    check_precision_cache_ratio(cfg)
+
+
+# Placements that put a table behind a cache of their own, sized by
+# placement.cache_ratio / cache_rows (auto: by the budget).
+CACHED_PLACEMENTS = ("lookahead", "cache", "disk", "auto")
+
+
+def check_precision_cache_ratio(cfg: Any, kinds: set[str] | None = None) -> None:
+    """precision.cache_ratio sizes the on-demand fp32 cache in front of a
+    low-precision table whose placement has no cache (device, host, uvm); a
+    placement with a cache sizes it itself. A precision.cache_ratio that no
+    table would use is refused, never silently replaced: with
+    placement=lookahead precision=int4 precision.cache_ratio=0.01 the run
+    trained with a 5 % cache without a word (issue 40). `kinds`: the
+    placements the tables really get (default: every placement the config
+    can give a table)."""
+    ratio = cfg.precision.cache_ratio
+    if ratio is None:
+        return
+    if cfg.precision.kind == "fp32":
+        raise UserError(f"precision.cache_ratio={ratio:g} sizes the fp32 cache in front of fp16/int8/int4 tables; "
+                        "fp32 tables (precision.kind=fp32) have none: remove it, or set precision.kind")
+    if kinds is None:
+        kinds = {cfg.placement.kind, *cfg.placement.overrides.values()}
+        if cfg.placement.device_max_rows is not None:
+            kinds.add("device")
+    if any(k not in CACHED_PLACEMENTS for k in kinds):
+        return  # some table sits behind a cache of this ratio
+    kind = cfg.placement.kind
+    if kind == "auto":
+        sizes = "placement=auto sizes every cache from placement.device_memory_budget"
+    else:
+        sizes = (f"placement={kind} puts every table behind its own fp32 cache, sized by "
+                 f"placement.cache_ratio={cfg.placement.cache_ratio:g}" +
+                 (f" (placement.cache_rows={cfg.placement.cache_rows})" if cfg.placement.cache_rows else "") +
+                 f": for a cache of {ratio:g} of the rows give placement.cache_ratio={ratio:g}")
+    raise UserError(f"precision.cache_ratio={ratio:g} would not be used: {sizes} (precision.cache_ratio sizes "
+                    "the cache of a low-precision table placed on device, host or uvm)")
 
 
 def register_configs() -> None:

@@ -22,6 +22,7 @@ built under a temporary name and renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from typing import Optional
 import torch
 
 from recsys_cli.errors import UserError
+from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import help_text, parse_options, require
 
 RESULT = "evaluation.json"
@@ -104,6 +106,11 @@ def plot(result: dict, directory: Path) -> list[Path]:
 
 
 def evaluate(cfg: EvaluateConfig, console=None) -> dict:
+    with contextlib.ExitStack() as hold:  # the output's lock, once the output is known (locks.py)
+        return _evaluate(cfg, console, hold)
+
+
+def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
     from rich.console import Console
 
     from recsys_cli.inference import load_model
@@ -114,6 +121,8 @@ def evaluate(cfg: EvaluateConfig, console=None) -> dict:
     require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
     if cfg.bins < 1:
         raise UserError(f"bins must be >= 1, got {cfg.bins}")
+    if cfg.output:  # an unwritable output is said before the checkpoint loads
+        check_writable(Path(cfg.output), "output")
     loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
     dataset = Path(cfg.dataset).expanduser() if cfg.dataset else loaded.dataset_dir
     if dataset is None:
@@ -131,6 +140,7 @@ def evaluate(cfg: EvaluateConfig, console=None) -> dict:
     batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
     run_dir = loaded.checkpoint.parent.parent if loaded.checkpoint.parent.name == "checkpoints" else loaded.checkpoint.parent
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"evaluate-{split}"
+    hold.enter_context(locked_output(output, "output", "evaluate"))  # one writer; an unwritable place said now
     if output.exists() and not (output / RESULT).is_file() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"output {output} exists and was not written by `recsys evaluate`; refusing to replace it")
 

@@ -73,6 +73,7 @@ import torch
 from torch import nn
 
 from recsys_cli.errors import UserError
+from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import help_text, parse_options, require
 
 METADATA = "recsys.json"
@@ -241,6 +242,11 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def export(cfg: ExportConfig, console=None) -> dict:
+    with contextlib.ExitStack() as hold:  # the output's lock, once the output is known (locks.py)
+        return _export(cfg, console, hold)
+
+
+def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     from rich.console import Console
 
     from recsys_cli.inference import INFERENCE_PRECISIONS, load_model
@@ -251,6 +257,8 @@ def export(cfg: ExportConfig, console=None) -> dict:
         raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
     if cfg.format not in FORMATS:
         raise UserError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}")
+    if cfg.output:  # an unwritable output is said before the checkpoint loads
+        check_writable(Path(cfg.output), "output")
     with _phase(console, f"export: loading {cfg.checkpoint}", f"export: loaded {cfg.checkpoint}"):
         loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
     multi_hot = _multi_hot(loaded)
@@ -262,6 +270,7 @@ def export(cfg: ExportConfig, console=None) -> dict:
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}{suffix}"
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model{suffix})")
+    hold.enter_context(locked_output(output, "output", "export"))  # one writer; an unwritable place said now
     raw_ids = raw_ids_of(loaded, cfg.vocab)
     if cfg.format == "pt2":
         with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):

@@ -31,6 +31,7 @@ import torch
 
 from recsys_cli.errors import UserError
 from recsys_cli.inference import LoadedModel, load_model
+from recsys_cli.locks import locked_output
 from recsys_cli.options import help_text, parse_options, require
 
 
@@ -270,13 +271,22 @@ class RowProgress:
 def predict(cfg: PredictConfig, console=None) -> dict:
     from rich.console import Console
 
-    from data_tools.criteo_input import count_fields, resolve_inputs
-    from data_tools.manifest import MANIFEST_NAME
-
     console = console or Console(stderr=True, highlight=False)
     require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
     require(cfg.output, "output", "predict", "a CSV file to write")
+    output = Path(cfg.output).expanduser()
+    if output.is_dir():
+        raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")
+    # One writer per output (locks.py), and an unwritable place said before the model loads.
+    with locked_output(output, "output", "predict"):
+        return _predict(cfg, output, console)
+
+
+def _predict(cfg: PredictConfig, output: Path, console) -> dict:
+    from data_tools.criteo_input import count_fields, resolve_inputs
+    from data_tools.manifest import MANIFEST_NAME
+
     loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
     batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
     if batch_size < 1:
@@ -311,7 +321,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
         logit_blocks = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
                                           progress.advance)
         what = ", ".join(map(str, paths))
-    writer = PredictionWriter(Path(cfg.output).expanduser(), cfg.id_start, cfg.id_name, cfg.prob_name)
+    writer = PredictionWriter(output, cfg.id_start, cfg.id_name, cfg.prob_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) // 2))
     try:

@@ -9,6 +9,7 @@ before any work, naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Optional
 from data_tools.criteo import CriteoConfig
 from data_tools.synthetic import SyntheticConfig
 from recsys_cli.errors import UserError
+from recsys_cli.locks import locked_output
 
 # Not under configs/: everything there is a config group of `recsys train`.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "preprocess_configs"
@@ -101,12 +103,15 @@ def run_preprocess(source: str, overrides: list[str]) -> None:
         print(OmegaConf.to_yaml(compose(source, rest)))
         return
     cfg = load_config(source, overrides)
-    if source == "criteo":
-        from data_tools.criteo import preprocess
+    # One writer per output (locks.py): a second preprocess into the same
+    # output is refused, naming the first, before any work.
+    with locked_output(Path(cfg.output), "output", "preprocess") if cfg.output else contextlib.nullcontext():
+        if source == "criteo":
+            from data_tools.criteo import preprocess
 
-        preprocess(cfg)
-    else:
-        _synthetic(cfg)
+            preprocess(cfg)
+        else:
+            _synthetic(cfg)
 
 
 def _synthetic(cfg: SyntheticPreprocessConfig) -> None:

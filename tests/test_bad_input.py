@@ -195,6 +195,7 @@ def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "run" / ".lock").exists()  # taken over, and removed when the run ended
 
 
 def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothing(tmp_path):
@@ -205,22 +206,19 @@ def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothi
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     before = files_of(run)
-    before.pop(".lock")  # holds the pid of the last run that held the directory
+    assert ".lock" not in before  # removed when the run ended (locks.py)
     assert "metrics.jsonl" in before and "checkpoints/latest.json" in before
     r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.seed=1", "hydra.run.dir=run", cwd=tmp_path)
     assert_user_error(r, f"run directory {run} holds another run (metrics.jsonl, summary.json, checkpoints/)",
                       "resume it with trainer.resume=true, or choose another directory")
     after = files_of(run)
-    after.pop(".lock")
     assert after == before
     # Its checkpoint directory, given to a new run elsewhere, is refused as well.
     r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, f"trainer.checkpoint_dir={run / 'checkpoints'}",
                "hydra.run.dir=other", cwd=tmp_path)
     assert_user_error(r, f"checkpoint directory {run / 'checkpoints'} holds another run's checkpoints")
     after = files_of(run)
-    after.pop(".lock")
-    after.pop("checkpoints/.lock")  # the refused run held the checkpoint directory while it checked
-    assert after == before and not (tmp_path / "other" / "metrics.jsonl").exists()
+    assert after == before  # the refused run held the checkpoint directory while it checked, and left no lock and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
 def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path):
@@ -303,8 +301,7 @@ def test_resume_into_another_model_names_the_keys_and_changes_nothing(tmp_path):
                              "model.bottom_mlp=[64, 16] in the checkpoint, [64, 8] now", "model.interaction")
     assert "placement.*" in line  # says what may change
     after = files_of(ck)
-    after.pop(".lock")  # the second run held the checkpoint directory while it checked
-    assert after == before
+    assert after == before  # the second run held the checkpoint directory while it checked, and left no lock
     # What may change does: placement, precision, trainer.* keys.
     r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=10", "trainer.resume=true",
                "+placement=lookahead", "placement.cache_rows=800", "+precision=int8", "hydra.run.dir=run3",

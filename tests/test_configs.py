@@ -270,3 +270,47 @@ def test_zero_and_out_of_range_values_are_refused(key, value):
 
 def test_the_defaults_and_unset_optionals_pass():
     validate(OmegaConf.structured(TrainConfig))  # every Optional number defaults to None or a valid value
+
+
+# --- a user's cache size is obeyed or refused, never replaced (issue 40, problem 4) ---------------------------------
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    # the hostile case: trained with placement.cache_ratio's 5 % cache without a word
+    (["placement=lookahead", "precision=int4", "precision.cache_ratio=0.01"],
+     "precision.cache_ratio=0.01 would not be used: placement=lookahead puts every table behind its own fp32 cache, "
+     "sized by placement.cache_ratio=0.05: for a cache of 0.01 of the rows give placement.cache_ratio=0.01"),
+    (["placement=disk", "precision=int8", "precision.cache_ratio=0.2"], "placement=disk puts every table"),
+    (["placement=auto", "placement.device_memory_budget=1MiB", "precision=int8", "precision.cache_ratio=0.2"],
+     "placement=auto sizes every cache from placement.device_memory_budget"),
+    (["precision.cache_ratio=0.2"], "fp32 tables (precision.kind=fp32) have none"),
+])
+def test_a_precision_cache_ratio_no_table_uses_is_refused(overrides, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        validate(compose_train(overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["placement=lookahead", "precision=int4"],  # the placement's cache, its own ratio
+    ["placement=lookahead", "precision=int4", "placement.cache_ratio=0.01"],
+    ["placement=device", "precision=int4", "precision.cache_ratio=0.02"],  # the table's own cache: obeyed
+    ["placement=lookahead", "precision=int8", "precision.cache_ratio=0.2", "+placement.overrides.C1=host"],
+])
+def test_a_precision_cache_ratio_a_table_uses_passes(overrides):
+    validate(compose_train(overrides))
+
+
+def test_the_precision_cache_ratio_sizes_what_it_says(tmp_path):
+    """Obeyed where a table has its own cache; refused where the tables turn
+    out to sit behind the placement's cache (no table is small enough for
+    placement.device_max_rows: known only once the vocabularies are)."""
+    from train_config import config
+    from recsys_cli.train.trainer import Trainer
+
+    trainer = Trainer(config(tmp_path, trainer__max_steps=1, placement__kind="host", precision__kind="int4",
+                             precision__cache_ratio=0.02))
+    (group,) = trainer.embeddings.groups
+    assert group.capacity == round(sum(trainer.data.vocab_sizes) * 0.02)
+    with pytest.raises(UserError, match=re.escape("precision.cache_ratio=0.1 would not be used: placement=lookahead")):
+        Trainer(config(tmp_path, trainer__max_steps=1, placement__kind="lookahead", placement__device_max_rows=0,
+                       precision__kind="int8", precision__cache_ratio=0.1))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recsys_cli.errors import UserError
+from recsys_cli.locks import locked_output
 from recsys_cli.report.plots import PLOT_NAMES
 from recsys_cli.report.runs import Run, find_runs, load_run, report_rows, run_labels
 from recsys_cli.report.tables import CSV_NAME, console_tables, write_csv
@@ -76,21 +77,23 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
         for table in console_tables(rows, root, console.width):
             console.print(table)
     csv_path = out / CSV_NAME
-    try:
-        write_csv(csv_path, rows)
-        written: list[Path] = []
-        if plots:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
-            else:
-                from recsys_cli.report.plots import make_plots
+    # One writer per output (locks.py): two reports into one directory are not mixed.
+    with locked_output(csv_path, "report output", "report", "--out DIR"):
+        try:
+            write_csv(csv_path, rows)
+            written: list[Path] = []
+            if plots:
+                try:
+                    import matplotlib  # noqa: F401
+                except ImportError:
+                    notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+                else:
+                    from recsys_cli.report.plots import make_plots
 
-                written, plot_notes = make_plots(runs, out)
-                notes.extend(plot_notes)
-    except PermissionError as e:
-        raise UserError(f"recsys report: cannot write into {out}: {e.strerror}") from None
+                    written, plot_notes = make_plots(runs, out)
+                    notes.extend(plot_notes)
+        except OSError as e:  # a read-only file system as well as no permission
+            raise UserError(f"recsys report: cannot write into {out}: {e.strerror}") from None
     report = Report(root, out, runs, skipped, rows, csv_path, written, notes)
     if console is not None:
         for path, why in skipped:

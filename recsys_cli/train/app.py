@@ -90,7 +90,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     return None if val is None else val["auc"]
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str]) -> DictConfig | None:
     """Compose the config once before Hydra does, so that a bad override is
     a one-line UserError (exit 2) instead of Hydra's report (exit 1). Sweep
     and hydra.* overrides are left to Hydra; with flags other than -m
@@ -105,7 +105,7 @@ def check_overrides(overrides: list[str]) -> None:
 
     plain = [o for o in overrides if o not in ("-m", "--multirun")]
     if any(o.startswith("-") for o in plain):
-        return
+        return None
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
         keep = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
@@ -120,6 +120,27 @@ def check_overrides(overrides: list[str]) -> None:
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
     validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
+    return cfg
+
+
+def check_places(overrides: list[str], cfg: DictConfig | None) -> None:
+    """Before Hydra makes the run directory (a read-only one was Hydra's
+    traceback): the run (or sweep) directory and the checkpoint directory can
+    be written, else one line naming the path (locks.check_writable)."""
+    from recsys_cli import locks
+
+    if cfg is None:  # --help, --cfg ...: nothing will be written
+        return
+    multirun = any(o in ("-m", "--multirun") for o in overrides)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    value = next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+").startswith(key + "=")), None)
+    if value and "${" in value:  # an interpolation (a date, a job number): the part before it exists as written
+        prefix = value[: value.index("${")]
+        value = prefix if prefix.endswith("/") else str(Path(prefix).parent) if prefix else None
+    run_dir = Path(value) if value else Path.cwd() / ("multirun" if multirun else "outputs")
+    locks.check_writable(run_dir, "sweep directory" if multirun else "run directory")
+    if cfg is not None and cfg.trainer.checkpoint_dir:
+        locks.check_writable(Path(cfg.trainer.checkpoint_dir), "checkpoint directory")
 
 
 def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
@@ -141,7 +162,8 @@ def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
 def run_train_app(overrides: list[str]) -> None:
     overrides = group_overrides(overrides)  # +placement=x, the older spelling, is placement=x
     register_configs()
-    check_overrides(overrides)
+    cfg = check_overrides(overrides)
+    check_places(overrides, cfg)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
     global _output_subdir
     from recsys_cli.train import distributed  # torch: after the config is known to be good

@@ -2,9 +2,10 @@
 written, and no new run into a directory that holds another run's record.
 
 Two `recsys train` in one run directory would interleave metrics.jsonl and mix
-their checkpoints. The lock is `fcntl.flock` on `<dir>/.lock`: the kernel drops
-it when the holder exits or dies, so a lock left by a killed run is stale by
-construction (the file stays, holding the last holder's pid for the message).
+their checkpoints. The lock is recsys_cli/locks.py's, on `<dir>/.lock`, the
+one every writing command takes: the kernel drops it when the holder exits
+or dies, so a lock left by a killed run is stale by construction, and the
+file is removed when the run ends.
 
 A run that finished (or was killed) leaves metrics.jsonl, summary.json and
 checkpoints; a second run into the same directory without trainer.resume
@@ -14,39 +15,23 @@ would replace them without a word, so `refuse_reuse` stops it first.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 from collections.abc import Iterator, Set as AbstractSet
 from pathlib import Path
 
+from recsys_cli import locks
 from recsys_cli.errors import UserError
 
-LOCK_NAME = ".lock"
+LOCK_NAME = locks.LOCK_NAME
 
 
 @contextlib.contextmanager
 def locked(directory: Path, what: str = "run directory") -> Iterator[None]:
     """Hold the lock on `directory` (created if needed) for the block; a
-    UserError naming the holder's pid when another process has it."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot use {what} {directory}: {e.strerror or e}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise UserError(
-                f"{what} {directory} is in use by another recsys train (pid {holder}); "
-                "wait for it to end or choose another directory (hydra.run.dir=DIR)"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    UserError naming the holder when another process has it (locks.py: the
+    one lock every writing command takes)."""
+    key = "hydra.run.dir" if what == "run directory" else "trainer.checkpoint_dir"
+    with locks.locked_dir(directory, what, "train", f"directory ({key}=DIR)"):
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 # What a run leaves that a new run would overwrite: its metrics, its summary, its checkpoints.

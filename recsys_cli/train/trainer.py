@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from recsys_cli import wait_policy
-from recsys_cli.config import DROP_LAST_RANKS, validate
+from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.device import (allocated_by, pageable_sites, require_dense_precision, resolve_device, runtime_for,
                                sum_copies)
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement import build_embeddings
+from recsys_cli.embeddings.placement import build_embeddings, table_placements
+from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.embeddings.sharded import build_sharded_embeddings
 from recsys_cli.errors import UserError
 from recsys_cli.model.dlrm import DLRM
@@ -64,8 +65,14 @@ class Trainer:
         self.dist = distributed.current()  # world_size 1 unless a process group is up
         self.device = resolve_device(tc.device, one_of_many=self.dist.enabled)  # one device per process
         require_dense_precision(cfg.model.dense_precision, self.device)  # before any table is built
+        # Memory refused up front (memory_plan.py): before the built-in data is generated, before any table.
+        self.memory_plan = None if cfg.placement.kind == "auto" else self.check_memory()
         self.data = data = training_data(cfg)
         features, vocab_sizes = data.features, data.vocab_sizes
+        if cfg.precision.cache_ratio is not None and cfg.placement.kind != "auto":  # the tables' real placements
+            kinds = table_placements([TableSpec(f, n, cfg.model.embedding_dim) for f, n in zip(features, vocab_sizes)],
+                                     cfg.placement)
+            check_precision_cache_ratio(cfg, set(kinds.values()))
 
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer
@@ -75,6 +82,8 @@ class Trainer:
             self.console.print(self.auto_placement.table())
             for line in self.auto_placement.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
                 self.console.print(line, soft_wrap=True, highlight=False)
+        if self.auto_placement is not None:  # the placements the search chose
+            self.memory_plan = self.check_memory(self.auto_placement.build_arguments())
         self.runtime = runtime_for(self.device)
         # On CUDA the bytes per tier come from the allocators (device, pinned host), not from tensor sizes.
         # Sharded (placement.sharding): this rank builds only the shards it owns (embeddings/sharded.py).
@@ -191,6 +200,32 @@ class Trainer:
         # so cache_avg starts from the restored caches, step and (if it saved them) sync points.
         self.strategy = strategies.strategy_for(cfg, self.dist, self.model, self.timer, step=self.step,
                                                 saved=saved_strategy)
+
+    def check_memory(self, chosen: dict | None = None) -> dict | None:
+        """What this run will hold against what the process may use: a run
+        that cannot fit is refused in one line (memory_plan.check). Returns
+        the plan and the RSS it adds to, for summary.json."""
+        from recsys_cli.train import memory_plan
+        from recsys_cli.train.memory import current_rss_bytes
+
+        import torch._dynamo  # noqa: F401  the dense optimizer loads it (about 70 MB): held before the tables, not planned
+
+        tables = memory_plan.tables_of(self.cfg)
+        if tables is None:  # a dataset that does not load: training_data says why
+            return None
+        room = memory_plan.available(self.device)
+        local = max(self.dist.local_world_size, 1)  # the processes on this machine share its memory
+        if local > 1 and room.host is not None:
+            room = memory_plan.Room(room.host // local, f"{room.host_why}, shared by {local} processes",
+                                    room.device, room.device_why)
+        chosen = dict(chosen or {})
+        plan = memory_plan.check(self.cfg, tables, room, on_device=self.device.type != "cpu",
+                                 world_size=self.dist.world_size,
+                                 sharded=self.dist.enabled and self.cfg.placement.sharding != "replicated",
+                                 placements=chosen.get("placements"), precisions=chosen.get("precisions"),
+                                 cache_rows=chosen.get("cache_rows"))
+        return {**plan.as_dict(), "rss_before_bytes": current_rss_bytes(), "available_host_bytes": room.host,
+                "available_device_bytes": room.device}
 
     # --- training ------------------------------------------------------------
     def fit(self) -> dict:
@@ -584,6 +619,7 @@ class Trainer:
             "phase_seconds": {p: self.timer.seconds.get(p, 0.0) for p in PHASES},
             "embedding_bytes": self.embeddings.memory(),
             "peak_host_rss_bytes": peak_rss,
+            "memory_plan": self.memory_plan,  # what the start-up check expected the run to hold (memory_plan.py)
             "memory": self.rss.report(),
             "embedding_bytes_allocated": self.embedding_allocated,  # CUDA: measured by the allocators
             "peak_device_bytes": (self.runtime.allocated() or {}).get("device_peak"),

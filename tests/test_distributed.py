@@ -298,6 +298,22 @@ def test_a_resume_in_another_mode_says_what_changed(cache_dir):
     assert _mode_change(None, cfg, alone) == ""  # a checkpoint older than the strategy's state
 
 
+def test_a_resume_line_names_the_mode_the_run_continues_in(cache_dir):
+    """Issue 40 problem 8: a sharded run resumed as it was saved said "continuing
+    with 2 in grad mode" (trainer.embedding_sync's default) while it trained sharded."""
+    from recsys_cli.train import strategies
+    from recsys_cli.train.trainer import _mode_change
+
+    two = distributed.DistContext(rank=0, world_size=2)
+    sharded = config(cache_dir, placement__sharding="row")
+    assert strategies.mode_for(sharded, two) == "sharded"
+    assert _mode_change({"mode": "sharded", "world_size": 2}, sharded, two) == ""  # the same run, nothing changed
+    assert _mode_change({"mode": "grad", "world_size": 2}, sharded, two) == \
+        " (saved by 2 process(es) in grad mode, continuing with 2 in sharded mode)"
+    assert _mode_change({"mode": "sharded", "world_size": 2}, config(cache_dir), two) == \
+        " (saved by 2 process(es) in sharded mode, continuing with 2 in grad mode)"
+
+
 def test_an_older_cache_avg_checkpoint_keeps_its_sync_points():
     """Checkpoints from before the strategy saved its state kept cache_avg's
     sync points in each cache snapshot: a resume reads them from there."""

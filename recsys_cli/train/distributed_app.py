@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, error_line, say
 from recsys_cli.train.preemption import EXIT_STATUS, Preempted, say_preempted
 from recsys_cli.train.distributed import WorkerFailed, broadcast_object, init, launch, launched_by_agent, teardown
 
@@ -44,7 +44,7 @@ def train(cfg, run_dir: Path | None) -> dict:
             sys.exit(EXIT_STATUS)
         if console is not None:
             console.print(summary_table(summary))
-            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
+            say(console, f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
         failed = False
         return summary
     finally:
@@ -96,7 +96,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
         # for an error the rank has already said in one line.
         summary, user_error = record(_train_or_user_error)(cfg, run_dir)
         if user_error is not None:
-            err.print(f"[bold red]error:[/] rank {rank}: {user_error}", highlight=False, soft_wrap=True)
+            error_line(f"rank {rank}: {user_error}")
             sys.exit(2)
         val = summary["final"].get("val")
         return None if val is None else val["auc"]
@@ -104,7 +104,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
         validate(cfg)
         resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
     except UserError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        error_line(str(e))
         sys.exit(2)
     container = OmegaConf.to_container(cfg, resolve=True)
     from hydra.core.hydra_config import HydraConfig
@@ -125,10 +125,10 @@ def train_app(cfg, run_dir: Path) -> float | None:
                 sys.exit(EXIT_STATUS)  # rank 0 said where it stopped, in one line
             say_preempted("SIGTERM: the workers were stopped before they wrote a checkpoint"
                           + (f"; the newest is {newest}" if newest is not None else ""))
-        err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
+        error_line(f"interrupted ({e.sigval.name}); the workers were stopped")
         sys.exit(130)
     except WorkerFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        error_line(str(e))
         if e.traceback and not e.user_error:
             err.print(e.traceback, highlight=False, markup=False)
         sys.exit(2 if e.user_error else 1)

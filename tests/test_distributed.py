@@ -510,6 +510,45 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
     assert re.search(rf"error: rank [01] \(pid {workers[-1]}\) died: .*SIGKILL", stderr), stderr[-2000:]
 
 
+def _in_small_tmpfs(tmp_path: Path, size: str, mountpoint: str, command: list[str]) -> tuple[str, str, str]:
+    """Run `command` in tmp_path with a tmpfs of `size` mounted at
+    tmp_path/mountpoint in a mount namespace of its own (root; the mount goes
+    with the namespace): (stdout, stderr, what the mount point held after)."""
+    import shlex
+
+    (tmp_path / mountpoint).mkdir()
+    script = (f"mount -t tmpfs -o size={size} tmpfs {mountpoint} || exit 99\n"
+              f"{shlex.join(command)} > out.txt 2> err.txt; echo $? > rc.txt\n"
+              f"ls -A {mountpoint} > after.txt\n")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=tmp_path, timeout=HANG_S,
+                          env={**os.environ, "RECSYS_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"})
+    if done.returncode == 99 or not (tmp_path / "rc.txt").exists():
+        pytest.skip("needs root and mount namespaces (unshare -m) for a small tmpfs")
+    rc = int((tmp_path / "rc.txt").read_text())
+    return str(rc), (tmp_path / "err.txt").read_text(), (tmp_path / "after.txt").read_text()
+
+
+@pytest.mark.verify  # two processes and a tmpfs: about a minute on a loaded 2-core machine
+def test_a_full_disk_under_a_sharded_checkpoint_is_one_line_from_rank_0(tmp_path):
+    """Issue 40 problem 5: DCP's write on a full disk raised torch's "unexpected
+    pos" with no OSError behind it: tracebacks from both ranks, exit 1. A 2 MiB
+    tmpfs holds the step-10 checkpoint (1.3 MiB), not step 20's beside it."""
+    rc, err, after = _in_small_tmpfs(tmp_path, "2m", "ck", [
+        RECSYS, "train", *SMALL, "trainer.nproc=2", "placement.sharding=row", "trainer.max_steps=20",
+        "trainer.checkpoint_every=10", "trainer.progress=false", "trainer.checkpoint_dir=ck", "hydra.run.dir=run"])
+    assert rc == "2", err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert re.fullmatch(r"error: rank 0 \(pid \d+\) failed: (the checkpoint's shards were not saved: rank 1 failed: )?"
+                        r"cannot write ck/\S+: no space left on device; a checkpoint needs about 1\.\d MiB in ck "
+                        r"\(\d+\.\d MiB free\); the last good checkpoint, ck/step-00000010\.pt, is kept; "
+                        r"the other ranks were stopped", lines[0]), lines[0]
+    kept = after.split()
+    assert "step-00000010.pt" in kept and "step-00000010.shards" in kept and "latest.json" in kept, kept
+    assert not [name for name in kept if "tmp" in name or "00000020" in name], kept  # nothing half-written
+
+
 @pytest.mark.slow  # several processes
 def test_torchrun_ranks_share_rank_0s_run_directory(tmp_path):
     env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}

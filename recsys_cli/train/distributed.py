@@ -266,7 +266,16 @@ class WorkerFailed(Exception):
 
     @classmethod
     def from_child(cls, error: ChildFailedError) -> "WorkerFailed":
-        rank, failure = error.get_first_failure()
+        """The first failure; but when rank 0 failed with an error the user
+        can act on (every rank said it: a sharded save's full disk), rank 0's,
+        whichever rank's process ended first."""
+        described = {rank: cls._describe(rank, failure) for rank, failure in error.failures.items()}
+        first, _ = error.get_first_failure()
+        zero = described.get(0)
+        return zero if zero is not None and zero.user_error else described[first]
+
+    @classmethod
+    def _describe(cls, rank: int, failure: Any) -> "WorkerFailed":
         message, traceback = failure.message, ""
         if isinstance(message, dict):
             traceback = message.get("extraInfo", {}).get("py_callstack", "")

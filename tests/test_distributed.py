@@ -94,6 +94,17 @@ def failing_run(container: dict) -> None:
     distributed.teardown()
 
 
+def trains_then_stops(stop_rank: int) -> int:
+    """A worker that says it started and trained, as the CLI's do; rank
+    `stop_rank` then stops itself (SIGSTOP) instead of exiting."""
+    distributed.mark("started")
+    distributed.mark("trained")
+    if int(os.environ["RANK"]) == stop_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    distributed.mark("done")
+    return 0
+
+
 def plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -456,6 +467,21 @@ def test_a_failing_rank_stops_the_run(cache_dir):
     assert elapsed < 300, f"the run took {elapsed:.1f} s to fail (a rank waited for its collectives' timeout?)"
 
 
+@pytest.mark.verify  # two spawned processes: 30-40 s on a loaded 2-core machine
+def test_a_worker_stopped_after_training_is_killed_once_the_teardown_bound_passes():
+    """Issue 40 problem 7: a worker stopped after training ended kept the
+    launcher waiting without bound. The bound is 3 s here (60 s in the CLI);
+    rank 0, done, waits for the agent to collect every return value, and is
+    not the one named. Time bounds liveness only."""
+    start = time.perf_counter()
+    with pytest.raises(distributed.TeardownHung) as hung:
+        distributed.launch(trains_then_stops, NPROC, 1, teardown_s=3)
+    assert [rank for rank, _ in hung.value.hung] == [1]
+    assert re.fullmatch(r"rank 1 \(pid \d+\) had not exited 3 s after training ended \(stopped or stuck while "
+                        r"shutting down\) and was killed; the run's results were written before", str(hung.value))
+    assert time.perf_counter() - start < HANG_S
+
+
 def _workers(parent: int) -> list[int]:
     """pids of the elastic launcher's workers (spawned children) under `parent`."""
     found = []
@@ -547,6 +573,50 @@ def test_a_full_disk_under_a_sharded_checkpoint_is_one_line_from_rank_0(tmp_path
     kept = after.split()
     assert "step-00000010.pt" in kept and "step-00000010.shards" in kept and "latest.json" in kept, kept
     assert not [name for name in kept if "tmp" in name or "00000020" in name], kept  # nothing half-written
+
+
+def _stop_a_worker_when(tmp_path: Path, run: str, ready, extra: list[str]) -> tuple[subprocess.Popen, int, str]:
+    """Start a 2-process CLI run, SIGSTOP one worker once ready(run_dir) holds;
+    returns the process, the stopped worker's pid, and stderr."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"}
+    proc = subprocess.Popen([RECSYS, "train", *SMALL, "trainer.nproc=2", "trainer.progress=false", "trainer.log_every=5",
+                             f"hydra.run.dir={run}", *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stopped = -1
+    try:
+        deadline = time.time() + HANG_S
+        while time.time() < deadline and not ready(tmp_path / run) and proc.poll() is None:
+            time.sleep(0.05)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        stopped = workers[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped > 0 and Path(f"/proc/{stopped}").exists():
+            os.kill(stopped, signal.SIGKILL)
+    return proc, stopped, stderr
+
+
+@pytest.mark.verify  # two processes, a 10 s timeout and the agent's stop: about a minute
+def test_a_stopped_rank_ends_the_run_in_one_line_naming_it_and_the_timeout(tmp_path):
+    """Issue 40 problem 7: the peer's timeout carried gloo's '[/__w/...cc:78]',
+    which crashed rich's markup in the error printer (MarkupError, exit 1)."""
+    metrics = lambda run: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()  # noqa: E731
+    proc, stopped, stderr = _stop_a_worker_when(tmp_path, "hung", metrics, [
+        "trainer.max_steps=100000", "trainer.epochs=100", "trainer.dist_timeout=10"])
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "MarkupError" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    said = re.fullmatch(
+        r"error: rank (\d) \(pid (\d+)\) failed: rank \1 waited 10 s \(trainer.dist_timeout\) in a collective "
+        r"for rank (\d), which did not answer \(stopped, hung or far slower\): the run was stopped; the other "
+        r"ranks were stopped", lines[0])
+    assert said, lines[0]
+    assert int(said[2]) != stopped and int(said[3]) == 1 - int(said[1])  # the stopped worker is the one named
 
 
 @pytest.mark.slow  # several processes

@@ -70,3 +70,18 @@ def test_report_tables_print_run_labels_and_paths_with_brackets():
     for table in tables:
         Console(file=out, width=200).print(table)
     assert "/runs/[2024]" in out.getvalue() and "[/x] lr=[1e-3]" in out.getvalue()
+
+
+def test_a_rank_hung_in_teardown_is_a_warning_naming_it(monkeypatch, capsys, tmp_path):
+    from recsys_cli.train.distributed import TeardownHung
+
+    def hung(*args, **kwargs):
+        raise TeardownHung([(1, 4321)], 60)
+
+    monkeypatch.setattr(distributed_app, "launch", hung)
+    monkeypatch.setattr("recsys_cli.config.validate", lambda cfg: None)
+    monkeypatch.setattr("recsys_cli.train.training_data.resolve_dataset", lambda dataset: None)
+    assert distributed_app.train_app(OmegaConf.structured(TrainConfig), tmp_path) is None  # exit 0: all was written
+    assert capsys.readouterr().err == ("warning: rank 1 (pid 4321) had not exited 60 s after training ended (stopped "
+                                       "or stuck while shutting down) and was killed; the run's results were written "
+                                       "before\n")

@@ -85,3 +85,46 @@ def test_a_rank_hung_in_teardown_is_a_warning_naming_it(monkeypatch, capsys, tmp
     assert capsys.readouterr().err == ("warning: rank 1 (pid 4321) had not exited 60 s after training ended (stopped "
                                        "or stuck while shutting down) and was killed; the run's results were written "
                                        "before\n")
+
+
+def test_a_collectives_timeout_is_told_from_other_errors():
+    import torch.distributed as dist
+
+    from recsys_cli.train.distributed import timed_out
+
+    assert timed_out(RuntimeError(GLOO))
+    assert timed_out(dist.DistBackendError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(...)"))
+    try:
+        try:
+            raise RuntimeError(GLOO)
+        except RuntimeError:
+            raise ValueError("the prefetcher stopped")  # noqa: B904 - as a thread's error is passed on
+    except ValueError as e:
+        assert timed_out(e)
+    assert not timed_out(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert not timed_out(ValueError("a timeout of 3 s is too short"))
+
+
+def test_a_peer_timeout_names_the_ranks_that_did_not_answer(monkeypatch):
+    import torch.distributed.distributed_c10d as c10d
+
+    from recsys_cli.train import distributed
+
+    monkeypatch.setattr(distributed, "_context", distributed.DistContext(rank=1, world_size=2))
+    assert str(distributed.peer_timeout(30)) == (
+        "rank 1 waited 30 s (trainer.dist_timeout) in a collective for rank 0, which did not answer (stopped, hung "
+        "or far slower): the run was stopped")
+
+    class Store:  # ranks 0 and 2 timed out too: rank 3 is the one that hung
+        keys = {"recsys/timed_out/0", "recsys/timed_out/2"}
+
+        def set(self, key, value):
+            self.keys.add(key)
+
+        def check(self, keys):
+            return all(k in self.keys for k in keys)
+
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: Store())
+    monkeypatch.setattr(distributed, "ROLL_CALL_S", 0.2)
+    monkeypatch.setattr(distributed, "_context", distributed.DistContext(rank=1, world_size=4))
+    assert "in a collective for rank 3, which did not answer" in str(distributed.peer_timeout(30))

@@ -272,10 +272,14 @@ ROLL_CALL_S = 5.0  # after a timeout: how long a rank waits for the others to re
 
 
 def timed_out(e: BaseException | None) -> bool:
-    """Whether `e` (or an exception behind it) is a collective's timeout."""
+    """Whether `e` (or an exception behind it) is a collective's timeout
+    (gloo: "Timed out waiting ...ms for recv"; NCCL's watchdog: "...
+    collective operation timeout")."""
     seen = 0
     while e is not None and seen < 8:
-        if isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+        text = str(e).lower()
+        if isinstance(e, RuntimeError) and ("timed out" in text
+                                            or (isinstance(e, dist.DistBackendError) and "timeout" in text)):
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False

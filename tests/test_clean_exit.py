@@ -61,9 +61,18 @@ def test_the_csv_reader_gets_memory_arrow_owns(monkeypatch):
     assert handed[0].address != pa.py_buffer(data).address  # a copy, not the bytes object's memory
 
 
-@pytest.mark.verify  # 20 fresh interpreters, each importing torch: about a minute
+@pytest.mark.verify  # 24 fresh interpreters, each importing torch: 1-2 minutes
 def test_a_raising_raw_inputs_exits_cleanly_every_time():
-    for run in range(20):
-        done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"run {run}: exit {done.returncode}: {done.stderr[-2000:]}"
-        assert done.stdout.strip() == "line 3: column C5: 'zzzzzzzz' is not 8 hex digits"
+    """Four at a time: the abort was a race with arrow's worker threads, which
+    a busy machine (a thread descheduled at the wrong moment) makes likelier.
+    A race, so this run of the issue's script is a guard, not a proof: on the
+    old parser it aborted 1 run in 8 one hour and none in 24 the next (the
+    same machine under other load); test_the_csv_reader_gets_memory_arrow_owns
+    checks the cause itself."""
+    for batch in range(6):
+        runs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(4)]
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, f"batch {batch}: exit {run.returncode}: {err[-2000:]}"
+            assert out.strip() == "line 3: column C5: 'zzzzzzzz' is not 8 hex digits"

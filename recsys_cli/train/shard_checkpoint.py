@@ -164,15 +164,22 @@ def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | 
     line naming the file, and for a full disk the space a checkpoint needs in
     `checkpoint_dir` and the checkpoint kept, as a one-process save says."""
     failed = lost or _os_error(e)  # the writer's own: it names the file
-    if failed is None:
-        return e if isinstance(e, Exception) else RuntimeError(repr(e))
+    if failed is None:  # a bug: raised with its traceback (DCP's CheckpointException is a BaseException)
+        if isinstance(e, Exception):
+            return e
+        wrapped = RuntimeError(f"the checkpoint's shards were not saved: {e!r}")
+        wrapped.__cause__ = e
+        return wrapped
     from recsys_cli.train.checkpoint import space_note  # it imports this module
 
     where = Path(failed.filename) if failed.filename else path
     if failed.errno != errno.ENOSPC:
         return write_error(where, failed)
     tmp = next((p for p in (path, *path.parents) if p.name.endswith(".tmp")), None)
-    freed = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file()) if tmp is not None and tmp.is_dir() else 0
+    try:
+        freed = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file()) if tmp is not None else 0
+    except OSError:  # another rank's file came or went
+        freed = 0
     return write_error(where, failed, space_note(checkpoint_dir, freed=freed))  # free once the save is removed
 
 

@@ -69,7 +69,7 @@ from data_tools import vocab as vocab_io
 from data_tools.criteo_config import CriteoConfig, validate
 from data_tools.criteo_input import BlockReader, resolve_inputs
 from data_tools.criteo_passes import mapped_mode, vocabulary_mode
-from data_tools.errors import UserError
+from data_tools.errors import UserError, say
 from data_tools.manifest import CRITEO_SPARSE, Manifest, SparseFeature
 
 __all__ = ["CriteoConfig", "preprocess"]
@@ -215,19 +215,19 @@ def _summary(console, m: Manifest, output: Path, seconds: float, timings: dict[s
     rate = total / max(seconds, 1e-9)
     splits = ", ".join(f"{k} {v.rows:,}" for k, v in m.splits.items())
     vocab = " ".join(f"{f.name}={f.vocab_size:,}" for f in m.sparse_features)
-    console.print(
-        f"[bold]criteo[/]: {total:,} rows ({splits}) in {seconds:.1f} s, {rate:,.0f} rows/s"
+    say(
+        console, f"{total:,} rows ({splits}) in {seconds:.1f} s, {rate:,.0f} rows/s"
         + (f", {m.skipped_lines:,} bad lines skipped" if m.skipped_lines else "")
-        + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + ")" if timings else "")
+        + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + ")" if timings else ""), "criteo:",
     )
-    console.print(f"vocabulary: {vocab}")
+    say(console, f"vocabulary: {vocab}")
     entry = m.options.get("vocabulary", {})
     if entry.get("mode") == "vocabulary":
         where = f"copied from {entry['source']}" if "source" in entry else f"{vocab_io.VOCAB_DIR}/"
-        console.print(f"saved vocabulary: {sum(e['size'] for e in entry['files'].values()):,} values, "
+        say(console, f"saved vocabulary: {sum(e['size'] for e in entry['files'].values()):,} values, "
                       f"{entry['bytes'] / 2**20:,.1f} MiB ({where})")
     unknown = m.options.get("unknown_values")
     if unknown:
-        console.print(f"values without an id (-> 0): {sum(unknown.values()):,} "
+        say(console, f"values without an id (-> 0): {sum(unknown.values()):,} "
                       f"(most in {max(unknown, key=unknown.get)}: {max(unknown.values()):,})")
-    console.print(f"wrote {output}")
+    say(console, f"wrote {output}")

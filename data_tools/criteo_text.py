@@ -98,6 +98,20 @@ def int_column(arr: pa.Array) -> np.ndarray:
     return v
 
 
+def _arrow_owned(data) -> pa.Buffer:
+    """A copy of `data` in memory arrow allocated. The threaded CSV reader
+    drops its last reference to its input on one of arrow's worker threads,
+    after read_csv has returned; a buffer wrapping a Python object
+    (pa.py_buffer) then takes the GIL to release it, and if the interpreter
+    is exiting meanwhile that thread is unwound inside a noexcept destructor:
+    std::terminate, SIGABRT at exit ("terminate called without an active
+    exception", issue 40 problem 6). Memory of arrow's own pool is freed
+    without the GIL. The copy costs a memcpy of the block."""
+    out = pa.BufferOutputStream()
+    out.write(data)
+    return out.getvalue()
+
+
 class BlockParser:
     def __init__(self, *, labels: bool = True, label_int8: bool = False, block_size: int = 8 << 20):
         """labels: the first field is the label (40 fields, else 39); label_int8:
@@ -122,7 +136,7 @@ class BlockParser:
 
     def parse(self, data, want_dense: bool) -> DecodedBlock:
         """Parse and check one block of whole lines; BadBlock if any line is bad."""
-        buf = pa.py_buffer(data)
+        buf = _arrow_owned(data)
         if buf.size == 0:
             return DecodedBlock(0, None, None, [np.zeros(0, np.uint32)] * NUM_SPARSE, [np.zeros(0, bool)] * NUM_SPARSE)
         try:

@@ -6,6 +6,7 @@ importing recsys_cli; recsys_cli.errors re-exports them.
 
 import errno
 import os
+from typing import Any
 
 
 class UserError(Exception):
@@ -16,3 +17,17 @@ def write_error(path: "str | os.PathLike", e: OSError, then: str = "") -> UserEr
     """A failed write as one line naming the file (a full disk is the usual cause)."""
     reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     return UserError(f"cannot write {path}: {reason}" + (f"; {then}" if then else ""))
+
+
+def say(console: Any, text: object, label: str = "", style: str = "bold", **kwargs: Any) -> None:
+    """Print `label` in `style`, a space, then `text` exactly as given on the
+    rich `console` (kwargs go to console.print). The line is a rich Text, not
+    markup: a bracket in a path, a user's value or an exception's message
+    (gloo's `[/__w/pytorch/...cc:78]`) is printed as it is, and printing it
+    never fails (issue 40 problem 7). Every line with such text goes through
+    here (recsys_cli.errors re-exports it)."""
+    from rich.text import Text
+
+    line = Text.assemble((label, style), " ") if label else Text()
+    line.append(str(text))
+    console.print(line, **kwargs)

@@ -75,14 +75,22 @@ class Checksum:
 
 class HashingWriter:
     """A binary file object that checksums every byte written through it
-    (torch.save writes through it: its zip writer streams each record once)."""
+    (torch.save writes through it: its zip writer streams each record once).
+    `error` keeps the OSError a write raised (a full disk): torch's writer may
+    lose it, raising only "unexpected pos" when it next writes (issue 40
+    problem 5), and the caller still needs to know the disk was full."""
 
     def __init__(self, f) -> None:
         self.f, self.checksum = f, Checksum()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.checksum.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()

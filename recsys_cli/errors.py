@@ -2,29 +2,33 @@
 
 UserError and write_error are data_tools.errors' (one class: data_tools raises
 it, the CLI catches it); `fail` prints one line and exits, for the CLI and the
-Hydra apps it starts.
+Hydra apps it starts. `say` (data_tools.errors') prints every line that
+holds a user's value, a path or an exception's text through rich, escaped:
+a bracket in it (gloo's `[/__w/pytorch/...cc:78]`) is never read as markup
+(issue 40 problem 7).
 """
 
 import sys
 
-from data_tools.errors import UserError, write_error
+from data_tools.errors import UserError, say, write_error
 
-__all__ = ["UserError", "fail", "warn", "write_error"]
+__all__ = ["UserError", "error_line", "fail", "say", "warn", "write_error"]
+
+
+def error_line(message: str, label: str = "error:", style: str = "bold red") -> None:
+    """Print `error: message` on stderr as one line (soft_wrap: one line
+    whatever the terminal width, scripts grep it)."""
+    from rich.console import Console
+
+    say(Console(stderr=True), message, label, style, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> None:
     """Print `error: message` on stderr as one line and exit with `code`."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    # soft_wrap: one line whatever the terminal width (scripts grep it)
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    error_line(message)
     sys.exit(code)
 
 
 def warn(message: str) -> None:
     """Print `warning: message` on stderr as one line: the run goes on."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True).print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    error_line(message, "warning:", "bold yellow")

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import help_text, parse_options, require
 
@@ -172,12 +172,12 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
-    console.print(f"[bold]evaluate[/] {split} ({result['samples']:,} rows, tables {result['precision']}): "
+    say(console, f"{split} ({result['samples']:,} rows, tables {result['precision']}): "
                   f"AUC {fmt(result['auc'])}, log loss {fmt(result['logloss'])}, NE {fmt(result['normalized_entropy'])}, "
-                  f"accuracy {fmt(result['accuracy'])}, calibration {fmt(result['calibration'])}")
+                 f"accuracy {fmt(result['accuracy'])}, calibration {fmt(result['calibration'])}", "evaluate")
     for note in notes:
-        console.print(note)
-    console.print(f"wrote {output}")
+        say(console, note)
+    say(console, f"wrote {output}")
     return json.loads((output / RESULT).read_text())
 
 

@@ -72,7 +72,7 @@ from typing import Optional, TypeVar
 import torch
 from torch import nn
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import help_text, parse_options, require
 
@@ -314,8 +314,8 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     size = output.stat().st_size
     how = ("torch.export.load(path).module()" if cfg.format == "pt2"
            else "recsys_cli.export.load_scorer(path)")
-    console.print(f"[bold]export[/]: {output} ({size / 2**20:,.2f} MiB; tables {cfg.precision} "
-                  f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with {how}")
+    say(console, f"{output} ({size / 2**20:,.2f} MiB; tables {cfg.precision} "
+                 f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with {how}", "export:")
     return {"output": str(output), "bytes": size, **meta}
 
 

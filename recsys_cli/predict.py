@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
 from recsys_cli.locks import locked_output
 from recsys_cli.options import help_text, parse_options, require
@@ -335,10 +335,10 @@ def _predict(cfg: PredictConfig, output: Path, console) -> dict:
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - t0
-    console.print(f"[bold]predict[/]: {writer.rows:,} rows of {what} in {seconds:.1f} s "
+    say(console, f"{writer.rows:,} rows of {what} in {seconds:.1f} s "
                   f"({writer.rows / max(seconds, 1e-9):,.0f} rows/s), tables {loaded.tables.precision} on "
-                  f"{next(loaded.tables.buffers()).device}, model on {loaded.device}")
-    console.print(f"wrote {writer.output}")
+                 f"{next(loaded.tables.buffers()).device}, model on {loaded.device}", "predict:")
+    say(console, f"wrote {writer.output}")
     return {"rows": writer.rows, "seconds": seconds}
 
 

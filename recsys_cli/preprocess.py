@@ -17,7 +17,7 @@ from typing import Optional
 
 from data_tools.criteo import CriteoConfig
 from data_tools.synthetic import SyntheticConfig
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.locks import locked_output
 
 # Not under configs/: everything there is a config group of `recsys train`.
@@ -131,17 +131,17 @@ def _synthetic(cfg: SyntheticPreprocessConfig) -> None:
     if cfg.format == "tsv":
         path = synthetic.write_tsv(syn, Path(cfg.output), progress=cfg.progress)
         dt = time.perf_counter() - t
-        console.print(f"[bold]synthetic[/]: {syn.rows:,} rows of raw Criteo TSV in {dt:.1f} s: {path}")
+        say(console, f"{syn.rows:,} rows of raw Criteo TSV in {dt:.1f} s: {path}", "synthetic:")
         return
     m = synthetic.generate(syn, Path(cfg.output), progress=cfg.progress)
     dt = time.perf_counter() - t
     splits = ", ".join(f"{k} {v.rows:,}" for k, v in m.splits.items())
     hidden = m.options.get("hidden_model", {})
     auc = hidden.get("val_auc")
-    console.print(
-        f"[bold]synthetic[/]: {syn.rows:,} rows ({splits}) in {dt:.1f} s, {syn.rows / max(dt, 1e-9):,.0f} rows/s; "
+    say(
+        console, f"{syn.rows:,} rows ({splits}) in {dt:.1f} s, {syn.rows / max(dt, 1e-9):,.0f} rows/s; "
         f"click rate {hidden.get('click_rate', float('nan')):.3f}"
-        + (f", hidden-model val AUC {auc:.3f}" if auc is not None else "")
+        + (f", hidden-model val AUC {auc:.3f}" if auc is not None else ""), "synthetic:",
     )
-    console.print("vocabulary: " + " ".join(f"{f.name}={f.vocab_size:,}" for f in m.sparse_features))
-    console.print(f"wrote {Path(cfg.output)}")
+    say(console, "vocabulary: " + " ".join(f"{f.name}={f.vocab_size:,}" for f in m.sparse_features))
+    say(console, f"wrote {Path(cfg.output)}")

@@ -98,6 +98,17 @@ def failing_run(container: dict) -> None:
     distributed.teardown()
 
 
+def trains_then_stops(stop_rank: int) -> int:
+    """A worker that says it started and trained, as the CLI's do; rank
+    `stop_rank` then stops itself (SIGSTOP) instead of exiting."""
+    distributed.mark("started")
+    distributed.mark("trained")
+    if int(os.environ["RANK"]) == stop_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    distributed.mark("done")
+    return 0
+
+
 def plain(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -304,6 +315,22 @@ def test_a_resume_in_another_mode_says_what_changed(cache_dir):
     assert _mode_change(None, cfg, alone) == ""  # a checkpoint older than the strategy's state
 
 
+def test_a_resume_line_names_the_mode_the_run_continues_in(cache_dir):
+    """Issue 40 problem 8: a sharded run resumed as it was saved said "continuing
+    with 2 in grad mode" (trainer.embedding_sync's default) while it trained sharded."""
+    from recsys_cli.train import strategies
+    from recsys_cli.train.trainer import _mode_change
+
+    two = distributed.DistContext(rank=0, world_size=2)
+    sharded = config(cache_dir, placement__sharding="row")
+    assert strategies.mode_for(sharded, two) == "sharded"
+    assert _mode_change({"mode": "sharded", "world_size": 2}, sharded, two) == ""  # the same run, nothing changed
+    assert _mode_change({"mode": "grad", "world_size": 2}, sharded, two) == \
+        " (saved by 2 process(es) in grad mode, continuing with 2 in sharded mode)"
+    assert _mode_change({"mode": "sharded", "world_size": 2}, config(cache_dir), two) == \
+        " (saved by 2 process(es) in sharded mode, continuing with 2 in grad mode)"
+
+
 def test_an_older_cache_avg_checkpoint_keeps_its_sync_points():
     """Checkpoints from before the strategy saved its state kept cache_avg's
     sync points in each cache snapshot: a resume reads them from there."""
@@ -472,6 +499,21 @@ def test_a_failing_rank_stops_the_run(cache_dir):
     assert elapsed < 300, f"the run took {elapsed:.1f} s to fail (a rank waited for its collectives' timeout?)"
 
 
+@pytest.mark.verify  # two spawned processes: 30-40 s on a loaded 2-core machine
+def test_a_worker_stopped_after_training_is_killed_once_the_teardown_bound_passes():
+    """Issue 40 problem 7: a worker stopped after training ended kept the
+    launcher waiting without bound. The bound is 3 s here (60 s in the CLI);
+    rank 0, done, waits for the agent to collect every return value, and is
+    not the one named. Time bounds liveness only."""
+    start = time.perf_counter()
+    with pytest.raises(distributed.TeardownHung) as hung:
+        distributed.launch(trains_then_stops, NPROC, 1, teardown_s=3)
+    assert [rank for rank, _ in hung.value.hung] == [1]
+    assert re.fullmatch(r"rank 1 \(pid \d+\) had not exited 3 s after training ended \(stopped or stuck while "
+                        r"shutting down\) and was killed; the run's results were written before", str(hung.value))
+    assert time.perf_counter() - start < HANG_S
+
+
 def _workers(parent: int) -> list[int]:
     """pids of the elastic launcher's workers (spawned children) under `parent`."""
     found = []
@@ -524,6 +566,89 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
     assert proc.returncode not in (0, None)
     assert time.time() - killed_at < 300  # liveness only: the launcher ends the run in seconds
     assert re.search(rf"error: rank [01] \(pid {workers[-1]}\) died: .*SIGKILL", stderr), stderr[-2000:]
+
+
+def _in_small_tmpfs(tmp_path: Path, size: str, mountpoint: str, command: list[str]) -> tuple[str, str, str]:
+    """Run `command` in tmp_path with a tmpfs of `size` mounted at
+    tmp_path/mountpoint in a mount namespace of its own (root; the mount goes
+    with the namespace): (stdout, stderr, what the mount point held after)."""
+    import shlex
+
+    (tmp_path / mountpoint).mkdir()
+    script = (f"mount -t tmpfs -o size={size} tmpfs {mountpoint} || exit 99\n"
+              f"{shlex.join(command)} > out.txt 2> err.txt; echo $? > rc.txt\n"
+              f"ls -A {mountpoint} > after.txt\n")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=tmp_path, timeout=HANG_S,
+                          env={**os.environ, "RECSYS_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"})
+    if done.returncode == 99 or not (tmp_path / "rc.txt").exists():
+        pytest.skip("needs root and mount namespaces (unshare -m) for a small tmpfs")
+    rc = int((tmp_path / "rc.txt").read_text())
+    return str(rc), (tmp_path / "err.txt").read_text(), (tmp_path / "after.txt").read_text()
+
+
+@pytest.mark.verify  # two processes and a tmpfs: about a minute on a loaded 2-core machine
+def test_a_full_disk_under_a_sharded_checkpoint_is_one_line_from_rank_0(tmp_path):
+    """Issue 40 problem 5: DCP's write on a full disk raised torch's "unexpected
+    pos" with no OSError behind it: tracebacks from both ranks, exit 1. A 2 MiB
+    tmpfs holds the step-10 checkpoint (1.3 MiB), not step 20's beside it."""
+    rc, err, after = _in_small_tmpfs(tmp_path, "2m", "ck", [
+        RECSYS, "train", *SMALL, "trainer.nproc=2", "placement.sharding=row", "trainer.max_steps=20",
+        "trainer.checkpoint_every=10", "trainer.progress=false", "trainer.checkpoint_dir=ck", "hydra.run.dir=run"])
+    assert rc == "2", err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert re.fullmatch(r"error: rank 0 \(pid \d+\) failed: (the checkpoint's shards were not saved: rank 1 failed: )?"
+                        r"cannot write ck/\S+: no space left on device; a checkpoint needs about 1\.\d MiB in ck "
+                        r"\(\d+\.\d MiB free\); the last good checkpoint, ck/step-00000010\.pt, is kept; "
+                        r"the other ranks were stopped", lines[0]), lines[0]
+    kept = after.split()
+    assert "step-00000010.pt" in kept and "step-00000010.shards" in kept and "latest.json" in kept, kept
+    assert not [name for name in kept if "tmp" in name or "00000020" in name], kept  # nothing half-written
+
+
+def _stop_a_worker_when(tmp_path: Path, run: str, ready, extra: list[str]) -> tuple[subprocess.Popen, int, str]:
+    """Start a 2-process CLI run, SIGSTOP one worker once ready(run_dir) holds;
+    returns the process, the stopped worker's pid, and stderr."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache"), "COLUMNS": "300"}
+    proc = subprocess.Popen([RECSYS, "train", *SMALL, "trainer.nproc=2", "trainer.progress=false", "trainer.log_every=5",
+                             f"hydra.run.dir={run}", *extra], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stopped = -1
+    try:
+        deadline = time.time() + HANG_S
+        while time.time() < deadline and not ready(tmp_path / run) and proc.poll() is None:
+            time.sleep(0.05)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        stopped = workers[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped > 0 and Path(f"/proc/{stopped}").exists():
+            os.kill(stopped, signal.SIGKILL)
+    return proc, stopped, stderr
+
+
+@pytest.mark.verify  # two processes, a 10 s timeout and the agent's stop: about a minute
+def test_a_stopped_rank_ends_the_run_in_one_line_naming_it_and_the_timeout(tmp_path):
+    """Issue 40 problem 7: the peer's timeout carried gloo's '[/__w/...cc:78]',
+    which crashed rich's markup in the error printer (MarkupError, exit 1)."""
+    metrics = lambda run: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()  # noqa: E731
+    proc, stopped, stderr = _stop_a_worker_when(tmp_path, "hung", metrics, [
+        "trainer.max_steps=100000", "trainer.epochs=100", "trainer.dist_timeout=10"])
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "MarkupError" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    said = re.fullmatch(
+        r"error: rank (\d) \(pid (\d+)\) failed: rank \1 waited 10 s \(trainer.dist_timeout\) in a collective "
+        r"for rank (\d), which did not answer \(stopped, hung or far slower\): the run was stopped; the other "
+        r"ranks were stopped", lines[0])
+    assert said, lines[0]
+    assert int(said[2]) != stopped and int(said[3]) == 1 - int(said[1])  # the stopped worker is the one named
 
 
 @pytest.mark.slow  # several processes

@@ -335,3 +335,33 @@ def test_a_disk_shard_is_written_chunk_by_chunk_and_reads_back_as_its_disk_check
     assert_entries_equal(sc.load_shard(directory, "f", 20, 32), want)
     for lo, hi in [(20, 25), (23, 31), (29, 30), (30, 30)]:
         assert_entries_equal(sc.load_shard(directory, "f", lo, hi), expected_cut(want, lo - 20, hi - 20))
+
+
+@pytest.mark.parametrize("where", ["shards", "caches"])
+def test_a_full_disk_in_a_shard_save_is_one_line_with_the_space_needed(tmp_path, monkeypatch, where):
+    """Issue 40 problem 5: inside DCP's write (and torch.save's) a full disk
+    comes out as torch's RuntimeError "unexpected pos", the OSError lost on
+    the way between ranks: the error must still say the disk is full, the
+    space a checkpoint needs and the one kept, and leave no temporary files."""
+    import errno
+
+    tables = build()
+    sc.save_shards(sc.shard_dir(tmp_path, STEP), pieces_of(0, 1, tables), caches_of(0), 0, 1)
+    (tmp_path / ckpt.step_file(STEP)).write_bytes(b"\0" * 1000)  # the earlier checkpoint's .pt
+    real_write = sc._HashingStream.write if where == "shards" else sc.HashingWriter.write
+    sent = [0]
+
+    def fills_up(self, data):  # a few bytes pass, then the disk is full
+        sent[0] += 1
+        if sent[0] > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+
+    monkeypatch.setattr(sc._HashingStream if where == "shards" else sc.HashingWriter, "write", fills_up)
+    with pytest.raises(UserError) as failed:
+        sc.save_shards(sc.shard_dir(tmp_path, 20), pieces_of(0, 1, tables), caches_of(0), 0, 1)
+    message = str(failed.value)
+    assert "no space left on device; a checkpoint needs about " in message, message
+    assert f"the last good checkpoint, {tmp_path / ckpt.step_file(STEP)}, is kept" in message, message
+    assert "\n" not in message
+    assert not sc.shard_dir(tmp_path, 20).exists() and not list(tmp_path.glob(".step-*"))

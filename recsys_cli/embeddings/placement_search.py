@@ -321,6 +321,7 @@ class TablePlacements:
         table's reason is not a column (at 80 columns it wrapped to a few
         characters a line): why_lines() gives them, one line each, to print below."""
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(
             title=f"table placement: {format_bytes(self.expected_bytes['device'])} of "
@@ -333,7 +334,7 @@ class TablePlacements:
         for name, placement in self.placements.items():
             b = self.table_bytes.get(name, {})
             table.add_row(
-                name, f"{self.num_rows.get(name, 0):,}", placement,
+                Text(name), f"{self.num_rows.get(name, 0):,}", placement,
                 "fp32" if placement == "device" else self.precision,
                 f"{self.cache_rows[name]:,}" if name in self.cache_rows else "-",
                 format_bytes(b.get("device")), format_bytes(b.get("host")),

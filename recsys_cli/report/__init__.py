@@ -32,7 +32,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.locks import locked_output
 from recsys_cli.report.plots import PLOT_NAMES
 from recsys_cli.report.runs import Run, find_runs, load_run, report_rows, run_labels
@@ -97,10 +97,10 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
     report = Report(root, out, runs, skipped, rows, csv_path, written, notes)
     if console is not None:
         for path, why in skipped:
-            console.print(f"[yellow]skipped[/] {path}: {why}", highlight=False)
+            say(console, f"{path}: {why}", "skipped", "yellow", highlight=False)
         for note in notes:
-            console.print(f"[yellow]note:[/] {note}", highlight=False)
-        console.print(f"wrote {csv_path}" + "".join(f"\nwrote {p}" for p in written), highlight=False)
+            say(console, note, "note:", "yellow", highlight=False)
+        say(console, f"wrote {csv_path}" + "".join(f"\nwrote {p}" for p in written), highlight=False)
     return report
 
 

@@ -49,6 +49,7 @@ def _packed_tables(title: str, headers: list[str], cells: list[list[str]], width
     """Tables of `cells` (first column: the run), split by columns into as many
     tables as it takes to fit `width` characters without folding words."""
     from rich.table import Table
+    from rich.text import Text
 
     cap = 32 if width is None else max(24, width // 3)  # longer labels fold onto more lines
     label_width = min(max([len(c[0]) for c in cells] + [len(headers[0])]), cap)
@@ -64,13 +65,13 @@ def _packed_tables(title: str, headers: list[str], cells: list[list[str]], width
     tables = []
     for n, chunk in enumerate(chunks):
         part = f" ({n + 1}/{len(chunks)})" if len(chunks) > 1 else ""
-        table = Table(title=title + part, header_style="bold")
+        table = Table(title=Text(title + part), header_style="bold")  # a run's path and label: never markup
         table.add_column(headers[0], width=label_width, overflow="fold")
         for i in chunk:
             table.add_column(headers[i], justify="left" if i == 1 and headers[i] == "placement" else "right",
                              width=need[i], no_wrap=True)
         for row in cells:
-            table.add_row(row[0], *(row[i] for i in chunk))
+            table.add_row(Text(row[0]), *(Text(row[i]) for i in chunk))
         tables.append(table)
     if caption:
         tables[-1].caption = caption

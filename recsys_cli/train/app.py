@@ -14,7 +14,7 @@ from rich.console import Console
 
 from recsys_cli.config import register_configs
 from recsys_cli.config_groups import group_overrides
-from recsys_cli.errors import UserError, fail, write_error
+from recsys_cli.errors import UserError, fail, say, write_error
 from recsys_cli.train import rundir
 from recsys_cli.train.preemption import Preempted, say_preempted  # no torch
 
@@ -85,7 +85,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     trainer = Trainer(cfg, run_dir=run_dir, console=console)
     summary = trainer.fit()
     console.print(summary_table(summary))
-    console.print(f"run directory: {run_dir}", soft_wrap=True)
+    say(console, f"run directory: {run_dir}", soft_wrap=True)
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 

@@ -60,6 +60,7 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     latest_tmp = directory / f".{LATEST}.tmp"
     writing = path
     disk_tables = []
+    out: HashingWriter | None = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         state, disk_tables, files = _save_disk_tables(directory, step, state)
@@ -89,12 +90,10 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         if not path.exists():  # a record written for a .pt that never came, and its shards
             record_path(path).unlink(missing_ok=True)
             shutil.rmtree(shards.shard_dir_of(path), ignore_errors=True)
-        failed = _os_error(e)
+        failed = _os_error(e) or (out.error if out is not None else None)  # torch may have lost the OSError
         if failed is None:
             raise
-        kept = newest_checkpoint(directory)
-        then = f"the last good checkpoint, {kept}, is kept" if kept is not None else "no earlier checkpoint exists"
-        raise write_error(writing, failed, f"{_space_needed(directory, kept, written)}; {then}") from None
+        raise write_error(writing, failed, space_note(directory, written)) from None
     for table in disk_tables:  # the checkpoint is in place: disk chains continue from it
         table.committed()
     prune(directory, keep)
@@ -161,16 +160,35 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
-def _space_needed(directory: Path, previous: Path | None, written: int) -> str:
+def space_note(directory: Path, written: int = 0, freed: int = 0) -> str:
+    """What a failed checkpoint write's error adds: the space a checkpoint
+    needs, the space free (with `freed` bytes of the failed save's files,
+    about to be removed), and the checkpoint kept (for the one-process save
+    and every rank's shards alike)."""
+    kept = newest_checkpoint(directory)
+    then = f"the last good checkpoint, {kept}, is kept" if kept is not None else "no earlier checkpoint exists"
+    return f"{_space_needed(directory, kept, written, freed)}; {then}"
+
+
+def _checkpoint_bytes(checkpoint: Path) -> int:
+    """A checkpoint's bytes: its .pt and, if sharded, its shard directory."""
+    total = checkpoint.stat().st_size
+    shard_dir = shards.shard_dir_of(checkpoint)
+    if shard_dir.is_dir():
+        total += sum(f.stat().st_size for f in shard_dir.iterdir() if f.is_file())
+    return total
+
+
+def _space_needed(directory: Path, previous: Path | None, written: int, freed: int = 0) -> str:
     """How much the checkpoint needs beside what the disk has free: the size
     of the previous checkpoint (the next is about as large), else at least
     what was written before the failure."""
     try:
-        free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free"
+        free = f"{(shutil.disk_usage(directory).free + freed) / 2**20:,.1f} MiB free"
     except OSError:
         free = "free space unknown"
     if previous is not None and previous.is_file():
-        need = f"about {max(previous.stat().st_size, written) / 2**20:,.1f} MiB"
+        need = f"about {max(_checkpoint_bytes(previous), written) / 2**20:,.1f} MiB"
     else:
         need = f"more than {written / 2**20:,.1f} MiB"
     return f"a checkpoint needs {need} in {directory} ({free})"

@@ -52,9 +52,11 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -78,6 +80,11 @@ PREEMPTION_WAIT_S = 120
 # it to the workers and waits this long for them to finish the step and write
 # their checkpoint (train/preemption.py); older agents wait their own default.
 OPTIONAL_LAUNCH_FIELDS: dict[str, Any] = {"shutdown_timeout": PREEMPTION_WAIT_S}
+# Once a worker of `launch` has finished training, how long the others have to
+# exit before the launcher kills them (a rank stopped or stuck in teardown kept
+# it waiting without bound, issue 40 problem 7).
+TEARDOWN_WAIT_S = 60.0
+MARKS_ENV = "RECSYS_LAUNCH_MARKS"  # the directory where `launch`'s workers say they started and trained
 
 
 @dataclass
@@ -252,6 +259,59 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+# --- a peer that stopped answering ---------------------------------------------------------
+
+
+class PeerTimeout(Exception):
+    """A collective of this rank timed out (trainer.dist_timeout): a peer
+    hung, was stopped (SIGSTOP) or is stuck. The message names the ranks that
+    did not answer and the timeout, in one line: the underlying error's text
+    (gloo's `[.../unbound_buffer.cc:78] Timed out ...`) is not repeated."""
+
+
+ROLL_CALL_S = 5.0  # after a timeout: how long a rank waits for the others to report theirs
+
+
+def timed_out(e: BaseException | None) -> bool:
+    """Whether `e` (or an exception behind it) is a collective's timeout
+    (gloo: "Timed out waiting ...ms for recv"; NCCL's watchdog: "...
+    collective operation timeout")."""
+    seen = 0
+    while e is not None and seen < 8:
+        text = str(e).lower()
+        if isinstance(e, RuntimeError) and ("timed out" in text
+                                            or (isinstance(e, dist.DistBackendError) and "timeout" in text)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def peer_timeout(timeout_s: float) -> PeerTimeout:
+    """This rank's collective timed out: which peers did not answer. With two
+    ranks, the other one; with more, a roll call on the rendezvous store: the
+    ranks that do not also report a timeout within ROLL_CALL_S."""
+    ctx = _context
+    others = [r for r in range(ctx.world_size) if r != ctx.rank]
+    silent = others
+    if len(others) > 1:
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+            store.set(f"recsys/timed_out/{ctx.rank}", "1")
+            deadline = time.monotonic() + ROLL_CALL_S
+            while True:
+                silent = [r for r in others if not store.check([f"recsys/timed_out/{r}"])]
+                if not silent or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+        except Exception:  # the store itself is gone: say what is known
+            silent = others
+    names = ", ".join(f"rank {r}" for r in silent) if silent else "every other rank (each timed out too)"
+    return PeerTimeout(f"rank {ctx.rank} waited {timeout_s:g} s (trainer.dist_timeout) in a collective for "
+                       f"{names}, which did not answer (stopped, hung or far slower): the run was stopped")
+
+
 # --- the launcher ---------------------------------------------------------------------
 
 
@@ -259,15 +319,25 @@ class WorkerFailed(Exception):
     """A worker raised or died; the launcher stopped the others."""
 
     def __init__(self, rank: int, pid: int | None, exitcode: int | None, message: str, traceback: str = "",
-                 user_error: bool = False) -> None:
+                 user_error: bool = False, one_line: bool = False) -> None:
         self.rank, self.pid, self.exitcode = rank, pid, exitcode
         self.message, self.traceback, self.user_error = message, traceback, user_error
+        self.one_line = one_line or user_error  # said in full by its message: no traceback to print
         how = "failed" if exitcode is None or exitcode >= 0 else "died"
         super().__init__(f"rank {rank} (pid {pid}) {how}: {message}; the other ranks were stopped")
 
     @classmethod
     def from_child(cls, error: ChildFailedError) -> "WorkerFailed":
-        rank, failure = error.get_first_failure()
+        """The first failure; but when rank 0 failed with an error the user
+        can act on (every rank said it: a sharded save's full disk), rank 0's,
+        whichever rank's process ended first."""
+        described = {rank: cls._describe(rank, failure) for rank, failure in error.failures.items()}
+        first, _ = error.get_first_failure()
+        zero = described.get(0)
+        return zero if zero is not None and zero.user_error else described[first]
+
+    @classmethod
+    def _describe(cls, rank: int, failure: Any) -> "WorkerFailed":
         message, traceback = failure.message, ""
         if isinstance(message, dict):
             traceback = message.get("extraInfo", {}).get("py_callstack", "")
@@ -275,11 +345,12 @@ class WorkerFailed(Exception):
         message = str(message)
         name, _, text = message.partition(": ")
         user_error = name in _user_error_names()
-        if user_error:
+        one_line = name == PeerTimeout.__name__  # a hung peer: the message says it all
+        if user_error or one_line:
             message = text
         elif failure.exitcode is not None and failure.exitcode > 0 and not traceback:
             message = f"exit code {failure.exitcode} ({message})"
-        return cls(rank, failure.pid, failure.exitcode, message, traceback, user_error)
+        return cls(rank, failure.pid, failure.exitcode, message, traceback, user_error, one_line)
 
 
 def _user_error_names() -> set[str]:
@@ -427,14 +498,85 @@ def _worker_environment() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
-def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1) -> dict[int, Any]:
+class TeardownHung(Exception):
+    """Training ended, but a worker did not exit within TEARDOWN_WAIT_S: killed."""
+
+    def __init__(self, hung: list[tuple[int, int]], wait_s: float) -> None:
+        self.hung, self.wait_s = hung, wait_s
+        names = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in hung)
+        super().__init__(f"{names} had not exited {wait_s:g} s after training ended (stopped or stuck while "
+                         "shutting down) and was killed; the run's results were written before")
+
+
+def mark(what: str) -> None:
+    """In a worker of `launch`: say that this rank has reached `what`
+    ("started", "trained", "done": its entrypoint returns), for the
+    launcher's bound on teardown."""
+    marks = os.environ.get(MARKS_ENV)
+    if marks and "RANK" in os.environ:
+        try:
+            Path(marks, f"{what}-{os.environ['RANK']}").write_text(str(os.getpid()))
+        except OSError:
+            pass  # the launcher is gone: nothing waits for the mark
+
+
+class _TeardownWatch:
+    """The launcher's watch: once any worker has marked "trained", every
+    worker still running TEARDOWN_WAIT_S later without having marked "done"
+    is killed (SIGKILL: a stopped process takes no other signal) and named in
+    `hung`. (A worker that is done stays alive until the agent has every
+    worker's return value: it is not hung.)"""
+
+    def __init__(self, marks: Path, wait_s: float) -> None:
+        import threading
+
+        self.marks, self.wait_s = marks, wait_s
+        self.hung: list[tuple[int, int]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="recsys-teardown-watch", daemon=True)
+
+    def _watch(self) -> None:
+        import signal
+
+        since = None
+        while not self.stop.wait(0.5):
+            if since is None:
+                since = time.monotonic() if any(self.marks.glob("trained-*")) else None
+                continue
+            if time.monotonic() - since < self.wait_s:
+                continue
+            for started in sorted(self.marks.glob("started-*")):
+                rank, pid = int(started.name.split("-")[1]), int(started.read_text())
+                if _running(pid) and not (self.marks / f"done-{rank}").exists():
+                    self.hung.append((rank, pid))
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float = 0.1,
+           teardown_s: float = TEARDOWN_WAIT_S) -> dict[int, Any]:
     """Run entrypoint(*args) in `nproc` worker processes on this machine through
     torch's elastic launcher; returns {rank: return value}. A worker that raises
     or dies stops the others and raises WorkerFailed. The entrypoint must be
-    importable by name (workers are spawned) and should call `init`."""
+    importable by name (workers are spawned) and should call `init`. Workers
+    that `mark` "started" and "trained" (the CLI's) have teardown_s to exit
+    once one has trained, then are killed: TeardownHung names them."""
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(nproc, monitor_interval)
+    marks = Path(tempfile.mkdtemp(prefix="recsys-launch-"))
+    watch = _TeardownWatch(marks, teardown_s)
     # The agent logs every failure with its traceback; WorkerFailed carries both.
     # (and its warning that it passes a SIGTERM on: rank 0 says where the run stopped).
     names = ("torch.distributed.elastic", "torch.multiprocessing")
@@ -443,14 +585,20 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
-    env = _worker_environment()
+    env = {**_worker_environment(), MARKS_ENV: str(marks)}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned workers inherit it
+    watch.thread.start()
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
+        if watch.hung:
+            raise TeardownHung(watch.hung, teardown_s) from None
         raise WorkerFailed.from_child(e) from None
     finally:
+        watch.stop.set()
+        watch.thread.join()
+        shutil.rmtree(marks, ignore_errors=True)
         for log, level in zip(quiet, levels):
             log.setLevel(level)
         for k, v in before.items():

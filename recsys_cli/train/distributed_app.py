@@ -16,9 +16,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, error_line, say
 from recsys_cli.train.preemption import EXIT_STATUS, Preempted, say_preempted
-from recsys_cli.train.distributed import WorkerFailed, broadcast_object, init, launch, launched_by_agent, teardown
+from recsys_cli.train.distributed import (PeerTimeout, TeardownHung, WorkerFailed, broadcast_object, init, launch,
+                                          launched_by_agent, mark, peer_timeout, teardown, timed_out)
 
 
 def train(cfg, run_dir: Path | None) -> dict:
@@ -31,6 +32,7 @@ def train(cfg, run_dir: Path | None) -> dict:
     from recsys_cli.train.trainer import Trainer
 
     ctx = init(cfg.trainer.dist_timeout, cfg.trainer.device)
+    mark("started")  # for the launcher's bound on teardown
     failed = True
     try:
         shared = broadcast_object(str(run_dir) if run_dir is not None else None)
@@ -42,9 +44,14 @@ def train(cfg, run_dir: Path | None) -> dict:
             if ctx.is_main:
                 say_preempted(str(e))
             sys.exit(EXIT_STATUS)
+        except Exception as e:
+            if timed_out(e):  # a peer stopped answering: one line naming it and the timeout
+                raise peer_timeout(cfg.trainer.dist_timeout) from None
+            raise
         if console is not None:
             console.print(summary_table(summary))
-            console.print(f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
+            say(console, f"run directory: {run_dir}  ({ctx.world_size} processes)", soft_wrap=True)
+        mark("trained")  # every output is written: the launcher bounds what is left
         failed = False
         return summary
     finally:
@@ -52,10 +59,10 @@ def train(cfg, run_dir: Path | None) -> dict:
             teardown()
 
 
-def _train_or_user_error(cfg, run_dir: Path | None) -> tuple[dict | None, UserError | None]:
+def _train_or_user_error(cfg, run_dir: Path | None) -> tuple[dict | None, Exception | None]:
     try:
         return train(cfg, run_dir), None
-    except UserError as e:
+    except (UserError, PeerTimeout) as e:
         return None, e
 
 
@@ -75,6 +82,7 @@ def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | No
     register_configs()
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
     summary = train(cfg, Path(run_dir) if run_dir else None)
+    mark("done")  # torn down: the launcher waits for this rank's return value, not for a hung rank
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 
@@ -96,15 +104,15 @@ def train_app(cfg, run_dir: Path) -> float | None:
         # for an error the rank has already said in one line.
         summary, user_error = record(_train_or_user_error)(cfg, run_dir)
         if user_error is not None:
-            err.print(f"[bold red]error:[/] rank {rank}: {user_error}", highlight=False, soft_wrap=True)
-            sys.exit(2)
+            error_line(f"rank {rank}: {user_error}")
+            sys.exit(2 if isinstance(user_error, UserError) else 1)
         val = summary["final"].get("val")
         return None if val is None else val["auc"]
     try:
         validate(cfg)
         resolve_dataset(cfg.dataset)  # generate the built-in data once, not in every worker
     except UserError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        error_line(str(e))
         sys.exit(2)
     container = OmegaConf.to_container(cfg, resolve=True)
     from hydra.core.hydra_config import HydraConfig
@@ -125,11 +133,16 @@ def train_app(cfg, run_dir: Path) -> float | None:
                 sys.exit(EXIT_STATUS)  # rank 0 said where it stopped, in one line
             say_preempted("SIGTERM: the workers were stopped before they wrote a checkpoint"
                           + (f"; the newest is {newest}" if newest is not None else ""))
-        err.print(f"[bold red]error:[/] interrupted ({e.sigval.name}); the workers were stopped", highlight=False)
+        error_line(f"interrupted ({e.sigval.name}); the workers were stopped")
         sys.exit(130)
+    except TeardownHung as e:  # training ended and rank 0 wrote everything: said, not failed
+        from recsys_cli.errors import warn
+
+        warn(str(e))
+        return None
     except WorkerFailed as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        if e.traceback and not e.user_error:
+        error_line(str(e))
+        if e.traceback and not e.one_line:
             err.print(e.traceback, highlight=False, markup=False)
         sys.exit(2 if e.user_error else 1)
     return results.get(0)

@@ -65,8 +65,7 @@ def say_preempted(message: str) -> None:
     """Print `preempted: message` on stderr as one line and exit with EXIT_STATUS."""
     import sys
 
-    from rich.console import Console
-    from rich.markup import escape
+    from recsys_cli.errors import error_line
 
-    Console(stderr=True).print(f"[bold yellow]preempted:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    error_line(message, "preempted:", "bold yellow")
     sys.exit(EXIT_STATUS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -53,7 +54,10 @@ def summary_table(summary: dict) -> Table:
     table = Table(title="recsys train: summary", show_header=True, header_style="bold")
     table.add_column("what")
     table.add_column("value", justify="right")
-    add = table.add_row
+
+    def add(what: str, value: str) -> None:  # a reason, a path: printed as they are, never read as markup
+        table.add_row(Text(what), Text(value))
+
     add("device / placement / precision / dedup",
         f"{summary['device']} / {summary['placement']} / {summary['precision']} / {'on' if summary['dedup'] else 'off'}")
     if summary["dedup"]:  # in-batch dedup needs no sessions; they only make batches hold more duplicates

@@ -43,10 +43,12 @@ checkpoint.load_checkpoint).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -72,6 +74,9 @@ FORMAT = 1
 METADATA = ".metadata"  # DCP's index file
 RECORDS = "records"  # a disk shard's field: its rows' records (disk_records.py)
 CHUNK_BYTES = 16 << 20  # a disk shard is read and written this many bytes of records at a time
+# After a failed save every rank raises; the others wait this long first, so
+# that rank 0's error is the one the launcher reports (it stops them meanwhile).
+RANK_0_FIRST_S = 3.0
 
 
 def shard_dir(checkpoint_dir: Path | str, step: int) -> Path:
@@ -130,15 +135,18 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
     except Exception as e:
-        failure = _failed(e, tmp)
+        failure = _failed(e, tmp, directory.parent)
     _agree(failure, together, group, world_size, tmp, rank)
     records: dict[str, dict] = {}
+    caches_file = HashingWriter(None)
     try:
-        records[f"caches-{rank}.pt"] = _save_caches(tmp / f"caches-{rank}.pt", caches, rank, world_size)
+        records[f"caches-{rank}.pt"] = _save_caches(tmp / f"caches-{rank}.pt", caches, rank, world_size, caches_file)
     except Exception as e:
-        failure = _failed(e, tmp / f"caches-{rank}.pt")
+        failure = _failed(e, tmp / f"caches-{rank}.pt", directory.parent, caches_file.error)
     _agree(failure, together, group, world_size, tmp, rank)
-    records.update(_save_dcp(tmp, saving, together, group, rank))
+    written, failure = _save_dcp(tmp, saving, together, group, rank)
+    _agree(failure, together, group, world_size, tmp, rank)
+    records.update(written)
     mine = {"records": records, "pieces": saving.described,
             "tables": {name: hi for name, (lo, hi, _) in pieces.items()}}
     gathered: list[Any] = [mine]
@@ -149,14 +157,34 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], 
         try:
             _finish(directory, tmp, gathered, world_size)
         except Exception as e:
-            failure = _failed(e, directory)
+            failure = _failed(e, directory, directory.parent)
     _agree(failure, together, group, world_size, tmp, rank)
     return directory
 
 
-def _failed(e: Exception, path: Path) -> Exception:
-    """A rank's failure as it is raised: a failed write is one line naming the file."""
-    return write_error(Path(e.filename) if e.filename else path, e) if isinstance(e, OSError) else e
+def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | None = None) -> Exception:
+    """A rank's failure as it is raised: a failed write (`e`, an OSError
+    behind it, or `lost`: one a writer saw that torch's exception lost) is one
+    line naming the file, and for a full disk the space a checkpoint needs in
+    `checkpoint_dir` and the checkpoint kept, as a one-process save says."""
+    failed = lost or _os_error(e)  # the writer's own: it names the file
+    if failed is None:  # a bug: raised with its traceback (DCP's CheckpointException is a BaseException)
+        if isinstance(e, Exception):
+            return e
+        wrapped = RuntimeError(f"the checkpoint's shards were not saved: {e!r}")
+        wrapped.__cause__ = e
+        return wrapped
+    from recsys_cli.train.checkpoint import space_note  # it imports this module
+
+    where = Path(failed.filename) if failed.filename else path
+    if failed.errno != errno.ENOSPC:
+        return write_error(where, failed)
+    tmp = next((p for p in (path, *path.parents) if p.name.endswith(".tmp")), None)
+    try:
+        freed = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file()) if tmp is not None else 0
+    except OSError:  # another rank's file came or went
+        freed = 0
+    return write_error(where, failed, space_note(checkpoint_dir, freed=freed))  # free once the save is removed
 
 
 @dataclass
@@ -238,19 +266,22 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
 
 
-def _save_caches(path: Path, caches: Any, rank: int, world_size: int) -> dict:
+def _save_caches(path: Path, caches: Any, rank: int, world_size: int, out: HashingWriter) -> dict:
+    """Write rank's cache snapshot through `out` (its file set here): a write's
+    OSError stays in out.error whatever torch raises."""
     with open(path, "wb") as f:
-        out = HashingWriter(f)
+        out.f = f
         torch.save(safe_load.plain({"rank": rank, "world_size": world_size, "caches": caches}), cast(IO[bytes], out))
         f.flush()
         os.fsync(f.fileno())
     return out.checksum.record()
 
 
-def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int) -> dict:
+def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int) -> tuple[dict, Exception | None]:
     """DCP's save into `tmp` (collective when together); the records of the
-    files this rank wrote, checksummed as they were written. Disk stores are
-    held alone while their chunks are read."""
+    files this rank wrote, checksummed as they were written, and this rank's
+    failure (None: saved; every rank then agrees). Disk stores are held alone
+    while their chunks are read."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
@@ -263,14 +294,13 @@ def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int)
                 held.enter_context(store.exclusive())
             dcp.save(saving.state, storage_writer=writer, planner=_planner(saving.producers),
                      process_group=group if together else None, no_dist=not together)
+    except (KeyboardInterrupt, SystemExit):
+        raise
     except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        failed = _os_error(e)
-        if failed is None:
-            raise
-        raise write_error(Path(failed.filename) if failed.filename else tmp, failed) from None
-    return {name: c.record() for name, c in fs.written.items() if (tmp / name).is_file()}
+        # A full disk inside DCP's torch.save is a RuntimeError ("unexpected pos")
+        # with no OSError behind it: the stream this rank wrote through kept it.
+        return {}, _failed(e, tmp, tmp.parent, fs.failed)
+    return {name: c.record() for name, c in fs.written.items() if (tmp / name).is_file()}, None
 
 
 def _planner(producers: dict[str, Callable[[], torch.Tensor]]) -> Any:
@@ -299,15 +329,21 @@ def _hashing_file_system() -> type:
         def __init__(self) -> None:
             super().__init__()
             self.written: dict[str, Checksum] = {}
+            self.failed: OSError | None = None  # the first OSError a write raised (a full disk)
 
         @contextmanager
         def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as stream:
-                if "w" not in mode:
-                    yield stream
-                    return
-                hashed = _HashingStream(stream)
-                yield hashed
+            try:
+                with super().create_stream(path, mode) as stream:
+                    if "w" not in mode:
+                        yield stream
+                        return
+                    hashed = _HashingStream(stream)
+                    yield hashed
+            except OSError as e:  # a write, or the flush at close (a full disk): torch's error may lose it
+                if self.failed is None:
+                    self.failed = e if e.filename else OSError(e.errno, e.strerror, str(path))
+                raise
             if not hashed.tainted:
                 self.written[Path(path).name] = hashed.checksum
 
@@ -359,19 +395,27 @@ def _agree(failure: Exception | None, together: bool, group: Any, world_size: in
            rank: int) -> None:
     """Every rank learns whether any rank failed (collective when together):
     the failing rank raises its own error, the others one naming it; rank 0
-    removes the temporary directory first."""
-    reports: list[Any] = [None if failure is None else str(failure)]
+    removes the temporary directory first. A rank's error the user can act on
+    (a full disk) wins over another's bug it caused (DCP's collective
+    exception): every rank then says it in one line."""
+    mine = None if failure is None else (str(failure), isinstance(failure, UserError))
+    reports: list[Any] = [mine]
     if together:
         reports = [None] * world_size
-        dist.all_gather_object(reports, None if failure is None else str(failure), group=group)
+        dist.all_gather_object(reports, mine, group=group)
     failed = [(r, m) for r, m in enumerate(reports) if m is not None]
     if not failed:
         return
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    if failure is not None:
+    said = [(r, message) for r, (message, user) in failed if user]
+    if said and together and rank != 0:
+        # Rank 0 reports a user's error: `recsys train trainer.nproc=N` prints
+        # the first rank to fail, and stops the others once one has (issue 40 problem 5).
+        time.sleep(RANK_0_FIRST_S)
+    if failure is not None and (isinstance(failure, UserError) or not said):
         raise failure
-    r, message = failed[0]
+    r, message = (said or [(r, m) for r, (m, _) in failed])[0]
     raise UserError(f"the checkpoint's shards were not saved: rank {r} failed: {message}")
 
 

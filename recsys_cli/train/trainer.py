@@ -33,7 +33,7 @@ from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings, table_placements
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.embeddings.sharded import build_sharded_embeddings
-from recsys_cli.errors import UserError
+from recsys_cli.errors import UserError, say
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
@@ -81,7 +81,7 @@ class Trainer:
         if self.auto_placement is not None and self.console is not None:
             self.console.print(self.auto_placement.table())
             for line in self.auto_placement.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
-                self.console.print(line, soft_wrap=True, highlight=False)
+                say(self.console, line, soft_wrap=True, highlight=False)
         if self.auto_placement is not None:  # the placements the search chose
             self.memory_plan = self.check_memory(self.auto_placement.build_arguments())
         self.runtime = runtime_for(self.device)
@@ -101,9 +101,9 @@ class Trainer:
             if embeddings.shard_plan is not None:  # who owns which rows (placement.sharding)
                 self.console.print(embeddings.shard_plan.table())
                 for line in embeddings.shard_plan.why_lines():
-                    self.console.print(line, soft_wrap=True, highlight=False)
+                    say(self.console, line, soft_wrap=True, highlight=False)
             for line in embeddings.cache_sizes():
-                self.console.print(line, soft_wrap=True)
+                say(self.console, line, soft_wrap=True)
         device_bytes = (self.embedding_allocated or embeddings.memory())["device"]
         if self.auto_placement is not None and device_bytes > self.auto_placement.budget_bytes:
             raise RuntimeError(  # the placement search's byte model and the allocation disagree: a bug, not bad input
@@ -504,7 +504,7 @@ class Trainer:
             self.stopping = True
             self.run_log.line(f"stopping at step {self.step}: {decision.stop}")
             if self.console is not None and self.dist.is_main and self.console.is_terminal:
-                self.console.print(f"stopping at step {self.step}: {decision.stop}", soft_wrap=True, highlight=False)
+                say(self.console, f"stopping at step {self.step}: {decision.stop}", soft_wrap=True, highlight=False)
         return result
 
     def final_validation(self) -> dict:
@@ -592,14 +592,14 @@ class Trainer:
             self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
         self.saved_step = self.step
         if self.console is not None:
-            self.console.print(f"resumed from {path} at step {self.step}{_mode_change(at.strategy, self.cfg, self.dist)}")
+            say(self.console, f"resumed from {path} at step {self.step}{_mode_change(at.strategy, self.cfg, self.dist)}")
         return at.strategy
 
     def init_from(self, location: str) -> None:
         """Weights and optimizer state from a checkpoint, into this new run (restore.py)."""
         path, trained = restore.init_from(location, self.cfg, self.data, self.restorable())
         if self.console is not None:
-            self.console.print(f"initialised from {path} (trained {trained} steps)")
+            say(self.console, f"initialised from {path} (trained {trained} steps)")
 
     # --- the report --------------------------------------------------------------
     def summary(self, final: dict) -> dict:
@@ -668,7 +668,7 @@ def _mode_change(saved: dict | None, cfg, dist) -> str:
     any change works, the caches were averaged when the checkpoint was taken."""
     if not saved or saved.get("world_size") is None:
         return ""
-    now = (cfg.trainer.embedding_sync if dist.enabled else "single", dist.world_size if dist.enabled else 1)
+    now = (strategies.mode_for(cfg, dist), dist.world_size if dist.enabled else 1)  # the mode it trains in
     was = (saved["mode"], saved["world_size"])
     if now == was:
         return ""

@@ -14,6 +14,7 @@ from recsys_cli import determinism, wait_policy
 from recsys_cli.errors import UserError, fail, write_error
 
 USAGE = """usage: recsys COMMAND [hydra overrides]
+       recsys --version
 
 commands:
   train                 train DLRM (recsys train placement=lookahead optimizer.lr=0.1)
@@ -29,10 +30,27 @@ commands:
 """
 
 
+def version_line() -> str:
+    """`recsys --version`: the installed distribution's version (pyproject.toml's),
+    and where the package running it lies, as `pip --version` says it."""
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        number = version("recsys")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        number = "(not installed)"
+    where = Path(__file__).resolve().parent
+    return f"recsys {number} from {where} (python {sys.version_info.major}.{sys.version_info.minor})"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return
+    if argv[0] in ("-V", "--version"):
+        print(version_line())
         return
     command, rest = argv[0], argv[1:]
     wait_policy.set_default()  # before torch loads its OpenMP runtime, which reads it once

@@ -17,11 +17,13 @@ from typing import Optional
 
 from data_tools.criteo import CriteoConfig
 from data_tools.synthetic import SyntheticConfig
+from recsys_cli import config_dirs
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import locked_output
 
 # Not under configs/: everything there is a config group of `recsys train`.
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "preprocess_configs"
+# The repository's preprocess_configs/, as installed with the package (config_dirs.py).
+CONFIG_DIR = config_dirs.config_dir(config_dirs.PREPROCESS)
 SOURCES = ("criteo", "synthetic")
 
 

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from recsys_cli import config_dirs
 from recsys_cli.config import register_configs
 from recsys_cli.config_groups import group_overrides
 from recsys_cli.errors import UserError, fail, say, write_error
@@ -21,7 +22,8 @@ from recsys_cli.train.preemption import Preempted, say_preempted  # no torch
 # Nothing here imports torch at module level: a bad config is reported
 # before the heavy modules load (check_overrides validates it first).
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+# configs/ of the repository, as installed with the package (config_dirs.py)
+CONFIG_DIR = str(config_dirs.config_dir(config_dirs.TRAIN))
 
 
 # Where Hydra would save the composed config (hydra.output_subdir): Hydra

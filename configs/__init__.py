@@ -1,0 +1,2 @@
+"""`recsys train`'s configs, read and copied by users here; installed as the
+package recsys_cli._configs (pyproject.toml), where the command finds them."""

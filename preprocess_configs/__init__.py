@@ -1,0 +1,3 @@
+"""`recsys preprocess`'s configs, read and copied by users here; installed as
+the package recsys_cli._preprocess_configs (pyproject.toml), where the command
+finds them."""

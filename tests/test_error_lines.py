@@ -128,3 +128,19 @@ def test_a_peer_timeout_names_the_ranks_that_did_not_answer(monkeypatch):
     monkeypatch.setattr(distributed, "ROLL_CALL_S", 0.2)
     monkeypatch.setattr(distributed, "_context", distributed.DistContext(rank=1, world_size=4))
     assert "in a collective for rank 3, which did not answer" in str(distributed.peer_timeout(30))
+
+
+def test_a_hung_peer_is_one_line_without_the_traceback_exit_1(monkeypatch, capsys, tmp_path):
+    message = "rank 0 waited 10 s (trainer.dist_timeout) in a collective for rank 1, which did not answer"
+
+    def failed(*args, **kwargs):
+        raise WorkerFailed(0, 4321, 1, message, traceback=f"Traceback (most recent call last):\n  {GLOO}",
+                           one_line=True)
+
+    monkeypatch.setattr(distributed_app, "launch", failed)
+    monkeypatch.setattr("recsys_cli.config.validate", lambda cfg: None)
+    monkeypatch.setattr("recsys_cli.train.training_data.resolve_dataset", lambda dataset: None)
+    with pytest.raises(SystemExit) as exited:
+        distributed_app.train_app(OmegaConf.structured(TrainConfig), tmp_path)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == f"error: rank 0 (pid 4321) failed: {message}; the other ranks were stopped\n"

@@ -21,7 +21,7 @@ strategies/). Two ways to start them:
 
 Failure: the elastic agent watches its workers; when one raises or is killed
 it stops the others (SIGTERM, then SIGKILL) and `launch` raises `WorkerFailed`
-naming the rank, its pid and the cause. The main and prefetch groups are
+naming the rank, its pid and the cause. The main, control and prefetch groups are
 created with ``trainer.dist_timeout`` seconds, so a collective whose peer
 hangs without dying raises within that time instead of waiting forever; the
 checkpoint group waits CHECKPOINT_WAIT_S (24 hours), as a save of large
@@ -29,8 +29,10 @@ tables may take longer than any step.
 
 Process groups. ``main``: NCCL on CUDA, gloo on CPU; dense gradients, cache
 syncs and evaluation, issued only by the main thread. ``checkpoint``: gloo;
-only checkpoint_barrier, on the main thread, where the other ranks wait for
-rank 0's save. ``prefetch``: always gloo
+only checkpoint_barrier and the sharded save, on the main thread, where the
+other ranks wait for rank 0's save. ``control``: gloo, trainer.dist_timeout;
+the main thread's per-step agreement (agree_max: a SIGTERM, the stop step).
+``prefetch``: always gloo
 (host tensors); the per-batch all-gather of unique row ids and, in cache_avg
 mode, rank 0's cache fills, issued only by the one thread that prepares batches
 ahead (the prefetcher thread, or UnionAhead's thread without lookahead). Keeping
@@ -98,6 +100,7 @@ class DistContext:
     prefetch_group: Any = None  # gloo, for the thread ahead of the trainer (prefetcher or UnionAhead)
     timeout_s: float = 0.0
     checkpoint_group: Any = None  # gloo, CHECKPOINT_WAIT_S timeout: waiting for rank 0's save
+    control_group: Any = None  # gloo, timeout_s: the main thread's per-step agreement (agree_max)
 
     @property
     def enabled(self) -> bool:
@@ -122,6 +125,7 @@ def current() -> DistContext:
             dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)),
             int(os.environ.get("LOCAL_WORLD_SIZE", world)), dist.get_backend(), None, dist.new_group(backend="gloo"),
             checkpoint_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECKPOINT_WAIT_S)),
+            control_group=dist.new_group(backend="gloo"),
         )
     return _context
 
@@ -155,7 +159,9 @@ def init(timeout_s: float = 120.0, device: str = "auto") -> DistContext:
     dist.init_process_group(backend, timeout=timeout)
     prefetch_group = dist.new_group(backend="gloo", timeout=timeout)
     checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, CHECKPOINT_WAIT_S)))
-    _context = DistContext(rank, world, local_rank, local_world, backend, None, prefetch_group, timeout_s, checkpoint_group)
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    _context = DistContext(rank, world, local_rank, local_world, backend, None, prefetch_group, timeout_s, checkpoint_group,
+                           control_group)
     return _context
 
 
@@ -167,12 +173,15 @@ def checkpoint_barrier() -> None:
 
 
 def agree_max(value: int) -> int:
-    """The largest of every rank's `value`, on every rank (the checkpoint
-    group: gloo on the host, so a per-step call costs no device sync)."""
+    """The largest of every rank's `value`, on every rank (the control group:
+    gloo on the host, so a per-step call costs no device sync; with the
+    step's timeout, not the checkpoint group's 24 hours: a peer stopped just
+    before it ended the run only a day later, issue 40 problem 7)."""
     if not _context.enabled:
         return value
     box = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=_context.checkpoint_group)
+    group = _context.control_group if _context.control_group is not None else _context.checkpoint_group
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
     return int(box[0])
 
 

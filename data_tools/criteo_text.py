@@ -57,6 +57,14 @@ class BadBlock(Exception):
     pass
 
 
+def _check_bytes(text: np.ndarray) -> None:
+    """What Arrow's reader would take but the format does not allow: an x or X
+    anywhere (Arrow reads I*=0x10 as 16 and 0xFFFFFFFFFFFFFFFF as -1; no valid
+    field holds one)."""
+    if ((text | 0x20) == ord("x")).any():
+        raise BadBlock("x in a field")
+
+
 @dataclass
 class DecodedBlock:
     rows: int
@@ -125,6 +133,7 @@ class BlockParser:
         buf = pa.py_buffer(data)
         if buf.size == 0:
             return DecodedBlock(0, None, None, [np.zeros(0, np.uint32)] * NUM_SPARSE, [np.zeros(0, bool)] * NUM_SPARSE)
+        _check_bytes(np.frombuffer(buf, dtype=np.uint8))
         try:
             table = pacsv.read_csv(buf, self.read_options, self.parse_options, self.convert_options)
         except pa.ArrowInvalid as e:

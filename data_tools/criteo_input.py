@@ -214,7 +214,7 @@ class BlockReader:
                 continue
             if not self.parser.labels and UNLABELLED_LINE_RE.fullmatch(line):
                 continue
-            if self._line_ok(line):  # stricter than Arrow here: Arrow decides
+            if self._line_ok(raw):  # stricter than Arrow here: Arrow decides (on the line with its own CR)
                 continue
             self._bad(block, i, line)
             bad.append(i)

@@ -60,9 +60,15 @@ class BadBlock(Exception):
 def _check_bytes(text: np.ndarray) -> None:
     """What Arrow's reader would take but the format does not allow: an x or X
     anywhere (Arrow reads I*=0x10 as 16 and 0xFFFFFFFFFFFFFFFF as -1; no valid
-    field holds one)."""
+    field holds one), and a CR not followed by LF (Arrow ends a row there, so
+    one line read as two rows, or a stray CR next to a line end vanished); a
+    CR that ends the text is a last line's line end without its LF.
+    About 3 ms for 8 MB, a tenth of the parse."""
     if ((text | 0x20) == ord("x")).any():
         raise BadBlock("x in a field")
+    cr = np.flatnonzero(text[:-1] == ord("\r"))  # the last byte may be a last line's CR without its LF
+    if cr.size and (text[cr + 1] != ord("\n")).any():
+        raise BadBlock("CR without LF")
 
 
 @dataclass

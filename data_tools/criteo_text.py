@@ -220,7 +220,8 @@ def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
         return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
     lab = fields[0]
     try:
-        x = float(lab) if re.fullmatch(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*", lab) else None
+        # ASCII only: \s and \d would take a CR, a form feed or an Arabic-Indic zero (float() reads those)
+        x = float(lab) if re.fullmatch(r"[ ]*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?[ ]*", lab) else None
     except ValueError:
         x = None
     if x is None:

@@ -137,8 +137,11 @@ class BlockParser:
     def parse(self, data, want_dense: bool) -> DecodedBlock:
         """Parse and check one block of whole lines; BadBlock if any line is bad."""
         buf = pa.py_buffer(data)
-        if buf.size == 0:
-            return DecodedBlock(0, None, None, [np.zeros(0, np.uint32)] * NUM_SPARSE, [np.zeros(0, bool)] * NUM_SPARSE)
+        if buf.size == 0:  # no rows (every line of a block skipped as bad, or blank): arrays of 0 rows
+            return DecodedBlock(0, np.zeros(0, np.float32) if self.labels else None,
+                                np.zeros((0, NUM_DENSE), np.float32) if want_dense else None,
+                                [np.zeros(0, np.uint32)] * NUM_SPARSE, [np.zeros(0, bool)] * NUM_SPARSE,
+                                np.zeros((0, NUM_DENSE), np.int64) if want_dense else None)
         _check_bytes(np.frombuffer(buf, dtype=np.uint8))
         try:
             table = pacsv.read_csv(buf, self.read_options, self.parse_options, self.convert_options)

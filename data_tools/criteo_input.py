@@ -216,6 +216,10 @@ class BlockReader:
                 continue
             if self._line_ok(raw):  # stricter than Arrow here: Arrow decides (on the line with its own CR)
                 continue
+            if self.on_error == "raise" and not bad:
+                # An earlier line the pattern passed may be one Arrow refuses (I1 = 2**63): the first bad
+                # line is the one to name. _bisect raises on the first it finds, left to right.
+                self._bisect(block, lines, list(range(i)))
             self._bad(block, i, line)
             bad.append(i)
         try:

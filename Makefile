@@ -27,9 +27,10 @@ test: setup
 	$(BIN)/pytest $(ARGS)
 
 # The long matrix (README, Testing): 300 differential combinations and the
-# command-line reproducibility and kill/resume checks of every combination.
+# command-line reproducibility and kill/resume checks of every combination;
+# the fuzzed parser with 20,000 new examples a test (tests/test_parser_fuzz.py).
 verify: setup
-	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_resume_exact.py $(ARGS)
+	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_resume_exact.py tests/test_parser_fuzz.py $(ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)

@@ -30,9 +30,11 @@ tried and prints them (pytest -s).
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,7 +294,8 @@ def mutated_file(draw, labels: bool = True) -> bytes:
 # --------------------------------------------------------------------------- running the parsers
 
 
-TMP = Path(tempfile.mkdtemp(prefix="parser-fuzz-"))
+TMP = Path(tempfile.mkdtemp(prefix="parser-fuzz-"))  # one file rewritten per example (hypothesis and pytest's
+atexit.register(shutil.rmtree, TMP, ignore_errors=True)  # function-scoped tmp_path do not mix)
 # 300 bytes: a block a line (a row is about 330 bytes), lines straddling reads; 1024: a few lines a block
 BLOCK_SIZES = st.sampled_from([300, 1024, 8 << 20, 8 << 20])
 
@@ -506,9 +509,12 @@ def test_preprocess_end_to_end(data, on_error, block_size, mode):
 
 
 def _quiet():
+    """A console that prints nothing (preprocess's summary, once an example)."""
+    import io
+
     from rich.console import Console
 
-    return Console(file=open(os.devnull, "w"))
+    return Console(file=io.StringIO())
 
 
 # --------------------------------------------------------------------------- the reference, checked by hand

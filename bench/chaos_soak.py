@@ -291,7 +291,8 @@ class Soak:
         if not fault.last_logged:
             fault.last_logged = last_logged_step(self.run)
         text = self.attempt_log()
-        fault.error_lines = [ln for ln in text.splitlines() if ln.startswith("error:") or "preempted" in ln][:3]
+        fault.error_lines = [ln.replace(str(self.work), "WORK") for ln in text.splitlines()
+                             if ln.startswith("error:") or "preempted" in ln][:3]
         fault.traceback = "Traceback" in text
         log(f"{self.name} fault {len(self.faults) + 1} {kind}: exit {code}, resumed from {resumed_from}, "
             f"logged {fault.last_logged}, now at {latest_step(self.run)}; {fault.landed} "
@@ -392,7 +393,7 @@ class Soak:
         if disk:
             d = disk[0]
             disk_text = (f"exit {d.exit_code}, " + ("a traceback" if d.traceback else "no traceback") + ", "
-                         + (f"{len(d.error_lines)} error line(s): {d.error_lines[0][:160]}" if d.error_lines
+                         + (f"{len(d.error_lines)} error line(s): {d.error_lines[0][:240]}" if d.error_lines
                             else "no error: line") + f" ({d.landed})")
         return {
             "faults": len(self.faults), "by kind": ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
@@ -411,13 +412,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", choices=["single", "sharded", "both"], default="both")
     ap.add_argument("--faults", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=0, help="training steps (default: 40 per fault)")
+    ap.add_argument("--steps", type=int, default=0, help="training steps (default: 50 per fault)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-full-disk", dest="full_disk", action="store_false")
     ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it")
     ap.add_argument("--record", action="store_true")
     opts = ap.parse_args()
-    steps = opts.steps or 40 * opts.faults
+    steps = opts.steps or 50 * opts.faults
     names = ["single", "sharded"] if opts.scenario == "both" else [opts.scenario]
     results = {}
     load0 = os.getloadavg()

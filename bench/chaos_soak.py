@@ -19,9 +19,9 @@ hydra.run.dir=chaos` (a resume in place), until the run completes:
   stop the other and exit;
 * full-disk (once, unless --no-full-disk; needs root): the checkpoint
   directory is a small tmpfs (mounted on chaos/checkpoints); the soak fills it
-  so the next checkpoint cannot fit, waits for the run to stop, records what
-  the user saw (exit status, one `error:` line or a traceback), frees the
-  space and resumes.
+  so the next checkpoint cannot fit (--disk-free: the fraction of one left
+  free), waits for the run to stop, records what the user saw (exit
+  status, one `error:` line or a traceback), frees the space and resumes.
 
 Each fault is armed only once the run has written a checkpoint newer than the
 one it resumed from, so every attempt makes progress. At the end: the final
@@ -176,8 +176,10 @@ def tmpfs(path: Path, size: int, enabled: bool):
 
 
 class Soak:
-    def __init__(self, work: Path, name: str, args: list[str], faults: int, seed: int, full_disk: bool):
+    def __init__(self, work: Path, name: str, args: list[str], faults: int, seed: int, full_disk: bool,
+                 disk_free: float = 1 / 3):
         self.work, self.name, self.args = work, name, args
+        self.disk_free = disk_free  # the full disk leaves this fraction of a checkpoint free
         self.rng = random.Random(seed)
         self.run = work / "chaos"
         self.plan = self._plan(faults, name == "sharded", full_disk)
@@ -304,7 +306,7 @@ class Soak:
         if not self.mounted:
             return "no tmpfs (not root): skipped"
         free = shutil.disk_usage(ckpt).free
-        leave = max(4096, self.ckpt_bytes // 3)
+        leave = max(4096, int(self.ckpt_bytes * self.disk_free))
         with open(ckpt / "filler", "wb") as f:
             with contextlib.suppress(OSError):
                 f.write(b"\0" * max(0, free - leave))
@@ -415,6 +417,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="training steps (default: 50 per fault)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-full-disk", dest="full_disk", action="store_false")
+    ap.add_argument("--disk-free", type=float, default=1 / 3,
+                    help="the full disk leaves this fraction of a checkpoint's bytes free (default 1/3): where "
+                         "in the write the disk runs out")
     ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it")
     ap.add_argument("--record", action="store_true")
     opts = ap.parse_args()
@@ -427,7 +432,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         args = [*SMALL, *COMMON, f"trainer.max_steps={steps}", *SCENARIOS[name]]
         try:
-            soak = Soak(work, name, args, opts.faults, opts.seed, opts.full_disk)
+            soak = Soak(work, name, args, opts.faults, opts.seed, opts.full_disk, opts.disk_free)
             results[name] = soak.go(steps, opts.full_disk)
         finally:
             if not opts.keep:

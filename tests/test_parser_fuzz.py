@@ -403,13 +403,34 @@ def test_preprocess_reader(data, block_size):
     assert_same(decoded_arrays(blocks), ref_arrays(rows))
 
 
+def first_line(data: bytes) -> tuple[int, bytes] | None:
+    """The reference's first non-empty line (1-based number, text without its line end)."""
+    for n, line in enumerate(data.split(b"\n"), 1):
+        line = line[:-1] if line.endswith(b"\r") else line
+        if line:
+            return n, line
+    return None
+
+
 @FUZZ
-@given(labels=st.booleans(), data=st.data(), block_size=BLOCK_SIZES)
+@given(labels=st.sampled_from([True, False, None]), data=st.data(), block_size=BLOCK_SIZES)
 def test_predict_raw_rows(labels, data, block_size):
-    """recsys predict's reading of raw rows, 40 or 39 fields (every row scored, none skipped)."""
+    """recsys predict's reading of raw rows, 40 or 39 fields, or as many as
+    its first line has (labels unset, as predict's default), every row scored."""
+    from data_tools.criteo_input import labelled
+
     tried("predict raw rows")
-    text = data.draw(mutated_file(labels))
+    text = data.draw(mutated_file(labels is not False))
     path = write(text)
+    if labels is None:
+        first = first_line(text)
+        try:
+            labels = labelled(path)
+        except UserError as e:
+            assert first is not None and first[1].count(b"\t") + 1 not in (39, 40), e
+            check_error(str(e), Bad(first[0], None))
+            return
+        assert first is not None and labels == (first[1].count(b"\t") + 1 == 40)
 
     def read():
         return decoded_arrays(d for d, _ in decoded_blocks([path], labels=labels, block_size=block_size))

@@ -57,18 +57,35 @@ class BadBlock(Exception):
     pass
 
 
-def _check_bytes(text: np.ndarray) -> None:
+def _as_bytes(data) -> tuple[bytes, int, int]:
+    """(a bytes object, start, end) holding `data` without a copy where it is
+    bytes or a memoryview of bytes (text_blocks' blocks), so that bytes.find
+    (memchr) can scan it."""
+    if isinstance(data, bytes):
+        return data, 0, len(data)
+    if isinstance(data, memoryview) and isinstance(data.obj, bytes) and data.contiguous and data.itemsize == 1:
+        start = np.frombuffer(data, np.uint8).ctypes.data - np.frombuffer(data.obj, np.uint8).ctypes.data
+        return data.obj, start, start + data.nbytes
+    b = bytes(data)
+    return b, 0, len(b)
+
+
+def _check_bytes(data) -> None:
     """What Arrow's reader would take but the format does not allow: an x or X
     anywhere (Arrow reads I*=0x10 as 16 and 0xFFFFFFFFFFFFFFFF as -1; no valid
     field holds one), and a CR not followed by LF (Arrow ends a row there, so
     one line read as two rows, or a stray CR next to a line end vanished); a
-    CR that ends the text is a last line's line end without its LF.
-    About 3 ms for 8 MB, a tenth of the parse."""
-    if ((text | 0x20) == ord("x")).any():
+    CR that ends the text is a last line's line end without its LF. Three
+    memchr scans, under 1 ms for 9 MB (a block's parse is 30-60 ms); a file
+    with CRs (CRLF) also pays a vectorised look at the byte after each CR."""
+    text, start, end = _as_bytes(data)
+    if text.find(b"x", start, end) >= 0 or text.find(b"X", start, end) >= 0:
         raise BadBlock("x in a field")
-    cr = np.flatnonzero(text[:-1] == ord("\r"))  # the last byte may be a last line's CR without its LF
-    if cr.size and (text[cr + 1] != ord("\n")).any():
-        raise BadBlock("CR without LF")
+    if text.find(b"\r", start, end) >= 0:
+        t = np.frombuffer(text, np.uint8, count=end - start, offset=start)
+        cr = np.flatnonzero(t[:-1] == ord("\r"))
+        if cr.size and (t[cr + 1] != ord("\n")).any():
+            raise BadBlock("CR without LF")
 
 
 @dataclass
@@ -142,7 +159,7 @@ class BlockParser:
                                 np.zeros((0, NUM_DENSE), np.float32) if want_dense else None,
                                 [np.zeros(0, np.uint32)] * NUM_SPARSE, [np.zeros(0, bool)] * NUM_SPARSE,
                                 np.zeros((0, NUM_DENSE), np.int64) if want_dense else None)
-        _check_bytes(np.frombuffer(buf, dtype=np.uint8))
+        _check_bytes(data)
         try:
             table = pacsv.read_csv(buf, self.read_options, self.parse_options, self.convert_options)
         except pa.ArrowInvalid as e:

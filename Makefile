@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
+.PHONY: setup train test verify chaos bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -26,12 +26,22 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
-# The long matrix (README, Testing): 300 differential combinations, then every
-# test marked `verify` (the command-line reproducibility and kill/resume checks
-# of every combination, and the rest that `make test` keeps one fast case of).
+# The long matrix (README, Testing): 300 differential combinations and the
+# fuzzed parser with 20,000 new examples a test (tests/test_parser_fuzz.py),
+# then every test marked `verify` (the command-line reproducibility and
+# kill/resume checks of every combination, and the rest that `make test` keeps
+# one fast case of).
 verify: setup
-	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py $(ARGS)
+	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_parser_fuzz.py $(ARGS)
 	RECSYS_VERIFY=1 $(BIN)/pytest -m verify $(ARGS)
+
+# The chaos soak (BENCHMARKS.md, "Chaos soak"): one run through 20 random
+# faults (kill -9 anywhere, in checkpoint writes and evaluations, SIGTERM, a
+# killed rank, a full disk) resumed after each, one process and two; the final
+# checkpoint against the uninterrupted run's. Root for the full disk (a tmpfs);
+# ARGS=--no-full-disk without it, ARGS='--scenario single --record' etc.
+chaos: setup
+	$(BIN)/python -m bench.chaos_soak $(ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.run_all $(ARGS)

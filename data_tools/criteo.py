@@ -39,8 +39,10 @@ Bad lines (wrong field count, a label that is not a number in [0, 1], a
 non-integer I*, a C* that is not 8 hex digits): with on_error=raise (default)
 the run stops with a UserError naming the file, the 1-based line number in
 that file and the column; with on_error=skip they are dropped and counted
-(manifest.skipped_lines). Integers are parsed by Arrow's parser, which also
-tolerates surrounding spaces and a 0x prefix.
+(manifest.skipped_lines). Integers are decimal (an optional minus, then
+digits; spaces around them are allowed) and must fit int64; a hex prefix
+(0x10) is a bad line, not 16. A CR is part of a line end only right before
+its LF; anywhere else it is a bad line.
 
 Hex digits may be upper or lower case.
 

@@ -214,8 +214,12 @@ class BlockReader:
                 continue
             if not self.parser.labels and UNLABELLED_LINE_RE.fullmatch(line):
                 continue
-            if self._line_ok(line):  # stricter than Arrow here: Arrow decides
+            if self._line_ok(raw):  # stricter than Arrow here: Arrow decides (on the line with its own CR)
                 continue
+            if self.on_error == "raise" and not bad:
+                # An earlier line the pattern passed may be one Arrow refuses (I1 = 2**63): the first bad
+                # line is the one to name. _bisect raises on the first it finds, left to right.
+                self._bisect(block, lines, list(range(i)))
             self._bad(block, i, line)
             bad.append(i)
         try:
@@ -268,12 +272,26 @@ def decoded_blocks(paths: Sequence[Path], *, labels: bool = True, block_size: in
             yield ch.decoded, ch.block.bytes_read
 
 
-def count_fields(path: Path) -> int:
-    """Tab-separated fields of the file's first non-empty line (40 labelled, 39 not)."""
+def count_fields(path: Path) -> tuple[int, int]:
+    """(1-based line number, tab-separated fields) of the file's first
+    non-empty line (40 labelled, 39 not); (0, 0) if the first 64 KiB have none."""
     for piece, _ in file_pieces(path, 1 << 16):
-        for line in piece.split(b"\n"):
+        for number, line in enumerate(piece.split(b"\n"), 1):
             line = strip_cr(line)
             if line:
-                return line.count(b"\t") + 1
+                return number, line.count(b"\t") + 1
         break
-    return 0
+    return 0, 0
+
+
+def labelled(path: Path) -> bool:
+    """Whether raw input is labelled, from its first non-empty line: 40
+    fields (True) or 39 (False); else a UserError naming that line."""
+    number, fields = count_fields(path)
+    if not number:
+        raise UserError(f"{path}: no non-empty line in its first 64 KiB (expected 40 tab-separated fields, "
+                        "39 without the label)")
+    if fields not in (39, 40):
+        raise UserError(f"{path} line {number}: expected 40 tab-separated fields (39 without the label), "
+                        f"found {fields}")
+    return fields == 40

@@ -211,30 +211,48 @@ def export_program(loaded, raw_ids: RawIds) -> torch.export.ExportedProgram:
 def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
     """Criteo TSV lines (str or bytes; 40 fields, or 39 without the label)
     -> (dense int64 [B, 13], categorical int64 [B, 26]), an artifact's inputs,
-    parsed as `recsys preprocess` parses them; ValueError naming the line
-    and column of a bad one."""
+    parsed as `recsys preprocess` parses them; ValueError naming the first
+    bad line (its 1-based position in `lines`) and column. Each item is one
+    line, with or without its LF or CRLF; empty ones are skipped."""
     import numpy as np
 
-    from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line
+    from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line, strip_cr
 
-    lines = [ln.encode() if isinstance(ln, str) else bytes(ln) for ln in lines]
-    lines = [ln.rstrip(b"\r\n") for ln in lines]
-    lines = [ln for ln in lines if ln]
-    if not lines:
+    # (1-based position in `lines`, the line without its LF: a CR before it is
+    # left for the parser, which takes CRLF and refuses any other CR); empty lines skipped
+    numbered = []
+    for i, ln in enumerate(lines, 1):
+        ln = ln.encode() if isinstance(ln, str) else bytes(ln)
+        ln = ln[:-1] if ln.endswith(b"\n") else ln
+        if ln not in (b"", b"\r"):
+            numbered.append((i, ln))
+    if not numbered:
         return torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)
-    labels = lines[0].count(b"\t") + 1 == NUM_COLUMNS
-    try:
-        d = BlockParser(labels=labels).parse(b"\n".join(lines) + b"\n", want_dense=True)
-        if d.rows != len(lines):
-            raise BadBlock("row count")
-    except BadBlock:
-        from data_tools.criteo_text import LINE_RE, UNLABELLED_LINE_RE
+    labels = strip_cr(numbered[0][1]).count(b"\t") + 1 == NUM_COLUMNS
+    parser = BlockParser(labels=labels)
 
-        pattern = LINE_RE if labels else UNLABELLED_LINE_RE
-        for i, ln in enumerate(lines, 1):
-            if not pattern.fullmatch(ln):
-                raise ValueError(f"line {i}: {diagnose_line(ln, False, labels)}") from None
-        raise ValueError("the lines could not be parsed") from None
+    def parse(k: int):
+        """The first k lines, parsed; BadBlock unless each is one good row."""
+        d = parser.parse(b"\n".join(ln for _, ln in numbered[:k]) + b"\n", want_dense=True)
+        if d.rows != k:
+            raise BadBlock("row count")
+        return d
+
+    try:
+        d = parse(len(numbered))
+    except BadBlock:
+        # The first bad line, by bisection with the parser itself (what it
+        # accepts decides, as in preprocess): the shortest failing prefix.
+        lo, hi = 0, len(numbered)  # the first lo lines parse; the first hi do not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                parse(mid)
+                lo = mid
+            except BadBlock:
+                hi = mid
+        i, ln = numbered[hi - 1]
+        raise ValueError(f"line {i}: {diagnose_line(strip_cr(ln), False, labels)}") from None
     categorical = np.full((d.rows, NUM_SPARSE), -1, dtype=np.int64)
     for f in range(NUM_SPARSE):
         categorical[d.present[f], f] = d.values[f]

@@ -284,7 +284,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
 
 
 def _predict(cfg: PredictConfig, output: Path, console) -> dict:
-    from data_tools.criteo_input import count_fields, resolve_inputs
+    from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
     loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
@@ -312,11 +312,7 @@ def _predict(cfg: PredictConfig, output: Path, console) -> dict:
         vocabulary = training_vocabulary(loaded, cfg.vocab)
         labels = cfg.labels
         if labels is None:
-            fields = count_fields(paths[0])
-            if fields not in (39, 40):
-                raise UserError(f"{paths[0]} line 1: expected 40 tab-separated fields (39 without the label), "
-                                f"found {fields}")
-            labels = fields == 40
+            labels = labelled(paths[0])
         progress = RowProgress(cfg.progress, sum(p.stat().st_size for p in paths), "input bytes")
         logit_blocks = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
                                           progress.advance)

@@ -359,7 +359,8 @@ def test_a_full_disk_in_a_shard_save_is_one_line_with_the_space_needed(tmp_path,
 
     monkeypatch.setattr(sc._HashingStream if where == "shards" else sc.HashingWriter, "write", fills_up)
     with pytest.raises(UserError) as failed:
-        sc.save_shards(sc.shard_dir(tmp_path, 20), pieces_of(0, 1, tables), caches_of(0), 0, 1)
+        sc.save_shards(sc.shard_dir(tmp_path, 20), pieces_of(0, 1, tables), caches_of(0), 0, 1,
+                       space_note=ckpt.space_note)  # as the sharded strategy passes it
     message = str(failed.value)
     assert "no space left on device; a checkpoint needs about " in message, message
     assert f"the last good checkpoint, {tmp_path / ckpt.step_file(STEP)}, is kept" in message, message

@@ -108,8 +108,13 @@ def _key(table: str, lo: int, hi: int, field: str, patch: bool = False) -> str:
 # --- saving ---------------------------------------------------------------------------
 
 
+# What a full disk's error adds about space (train/checkpoint.py's space_note:
+# it knows the checkpoints kept; passed in, as that module imports this one).
+SpaceNote = Callable[..., str]
+
+
 def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], caches: Any, rank: int,
-                world_size: int, group: Any = None) -> Path:
+                world_size: int, group: Any = None, space_note: SpaceNote | None = None) -> Path:
     """Write this rank's shards and caches into `directory` (shard_dir(...));
     collective: every rank of the run calls it at the checkpoint, with the
     pieces it owns ({table: (lo, hi, entry)}, entry as RowStore.table_snapshot
@@ -119,7 +124,8 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], 
     group to save over (default: the default group; alone: none). Returns
     `directory`, complete, on every rank; a failure on any rank is an error
     on every rank and leaves nothing that looks like a checkpoint (a write
-    that fails is one line naming the file)."""
+    that fails is one line naming the file, and for a full disk
+    `space_note`'s words on the space needed and the checkpoint kept)."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp")
     together = world_size > 1
@@ -135,16 +141,16 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
     except Exception as e:
-        failure = _failed(e, tmp, directory.parent)
+        failure = _failed(e, tmp, directory.parent, space_note=space_note)
     _agree(failure, together, group, world_size, tmp, rank)
     records: dict[str, dict] = {}
     caches_file = HashingWriter(None)
     try:
         records[f"caches-{rank}.pt"] = _save_caches(tmp / f"caches-{rank}.pt", caches, rank, world_size, caches_file)
     except Exception as e:
-        failure = _failed(e, tmp / f"caches-{rank}.pt", directory.parent, caches_file.error)
+        failure = _failed(e, tmp / f"caches-{rank}.pt", directory.parent, caches_file.error, space_note)
     _agree(failure, together, group, world_size, tmp, rank)
-    written, failure = _save_dcp(tmp, saving, together, group, rank)
+    written, failure = _save_dcp(tmp, saving, together, group, rank, space_note)
     _agree(failure, together, group, world_size, tmp, rank)
     records.update(written)
     mine = {"records": records, "pieces": saving.described,
@@ -157,12 +163,13 @@ def save_shards(directory: Path | str, pieces: dict[str, tuple[int, int, Any]], 
         try:
             _finish(directory, tmp, gathered, world_size)
         except Exception as e:
-            failure = _failed(e, directory, directory.parent)
+            failure = _failed(e, directory, directory.parent, space_note=space_note)
     _agree(failure, together, group, world_size, tmp, rank)
     return directory
 
 
-def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | None = None) -> Exception:
+def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | None = None,
+            space_note: SpaceNote | None = None) -> Exception:
     """A rank's failure as it is raised: a failed write (`e`, an OSError
     behind it, or `lost`: one a writer saw that torch's exception lost) is one
     line naming the file, and for a full disk the space a checkpoint needs in
@@ -174,8 +181,6 @@ def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | 
         wrapped = RuntimeError(f"the checkpoint's shards were not saved: {e!r}")
         wrapped.__cause__ = e
         return wrapped
-    from recsys_cli.train.checkpoint import space_note  # it imports this module
-
     where = Path(failed.filename) if failed.filename else path
     if failed.errno != errno.ENOSPC:
         return write_error(where, failed)
@@ -184,6 +189,8 @@ def _failed(e: BaseException, path: Path, checkpoint_dir: Path, lost: OSError | 
         freed = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file()) if tmp is not None else 0
     except OSError:  # another rank's file came or went
         freed = 0
+    if space_note is None:
+        return write_error(where, failed)
     return write_error(where, failed, space_note(checkpoint_dir, freed=freed))  # free once the save is removed
 
 
@@ -277,7 +284,8 @@ def _save_caches(path: Path, caches: Any, rank: int, world_size: int, out: Hashi
     return out.checksum.record()
 
 
-def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int) -> tuple[dict, Exception | None]:
+def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int,
+              space_note: SpaceNote | None = None) -> tuple[dict, Exception | None]:
     """DCP's save into `tmp` (collective when together); the records of the
     files this rank wrote, checksummed as they were written, and this rank's
     failure (None: saved; every rank then agrees). Disk stores are held alone
@@ -299,7 +307,7 @@ def _save_dcp(tmp: Path, saving: _Saving, together: bool, group: Any, rank: int)
     except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
         # A full disk inside DCP's torch.save is a RuntimeError ("unexpected pos")
         # with no OSError behind it: the stream this rank wrote through kept it.
-        return {}, _failed(e, tmp, tmp.parent, fs.failed)
+        return {}, _failed(e, tmp, tmp.parent, fs.failed, space_note)
     return {name: c.record() for name, c in fs.written.items() if (tmp / name).is_file()}, None
 
 

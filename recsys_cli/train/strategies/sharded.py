@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from recsys_cli.embeddings.prefetch import Prefetcher, take
-from recsys_cli.train import shard_checkpoint
+from recsys_cli.train import checkpoint, shard_checkpoint
 from recsys_cli.train.distributed import all_gather_varlen
 from recsys_cli.train.strategies.grad_sync import DataParallel
 from recsys_cli.train.union_plan import UnionAhead
@@ -73,7 +73,8 @@ class Sharded(DataParallel):
             for t in group.tables:
                 pieces[t.name] = (t.first_row, t.first_row + t.num_rows, state[t.name])
         shard_checkpoint.save_shards(self._shards, pieces, self.embeddings.cache_snapshot(), self.ctx.rank,
-                                     self.ctx.world_size, group=self.ctx.checkpoint_group)
+                                     self.ctx.world_size, group=self.ctx.checkpoint_group,
+                                     space_note=checkpoint.space_note)
         return super().checkpoint(write, directory, step)
 
     def id_counts(self, counts):

@@ -29,9 +29,11 @@ SOURCES = ("criteo", "synthetic")
 
 @dataclass
 class SyntheticPreprocessConfig(SyntheticConfig):
+    # format=parquet: the dataset directory to write; format=tsv: the TSV file
+    # (gzip'd when it ends in .gz), input for `recsys preprocess criteo`.
     output: Optional[str] = None
     format: str = "parquet"  # parquet | tsv
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal
 
 
 _SCHEMAS = {"criteo": CriteoConfig, "synthetic": SyntheticPreprocessConfig}

@@ -43,11 +43,11 @@ RESULT = "evaluation.json"
 @dataclass
 class EvaluateConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
-    dataset: Optional[str] = None  # default: the dataset the checkpoint was trained on
-    split: Optional[str] = None  # default: test, else val
-    output: Optional[str] = None  # default: <run dir>/evaluate-<split>
+    dataset: Optional[str] = None  # the labelled dataset directory to score (default: the checkpoint's own)
+    split: Optional[str] = None  # the split to score (default: test, else val)
+    output: Optional[str] = None  # the directory to write (default: <run dir>/evaluate-<split>)
     bins: int = 10  # calibration bins over the predicted probability
-    batch_size: Optional[int] = None  # default: the run's trainer.eval_batch_size
+    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
     device: str = "auto"  # auto | cpu | cuda
     precision: Optional[str] = None  # score with the tables converted: fp32 | fp16 | int8 | int4 (default: as trained)
     plots: bool = True  # write roc.png and calibration.png (false: evaluation.json only)

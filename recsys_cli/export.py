@@ -85,9 +85,10 @@ FORMATS = {"pt2": ".pt2", "module": ".scorer.pt"}  # format -> the default outpu
 @dataclass
 class ExportConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
-    precision: str = "fp32"  # fp32 | fp16 | int8 | int4
+    precision: str = "fp32"  # the tables' precision in the artifact: fp32 | fp16 | int8 | int4
     format: str = "pt2"  # pt2: one torch.export program, torch alone loads it | module: fastest load, needs recsys
-    output: Optional[str] = None  # default: <run dir>/model-<precision>.pt2 (format=module: .scorer.pt)
+    # The file to write (default: <run dir>/model-<precision>.pt2; format=module: .scorer.pt).
+    output: Optional[str] = None
     vocab: Optional[str] = None  # dataset whose vocabulary maps raw values (default: the training dataset's)
 
 

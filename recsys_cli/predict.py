@@ -46,7 +46,7 @@ class PredictConfig:
     id_start: Optional[int] = None  # add an id column counting from this number
     id_name: str = "Id"  # the id column's name
     prob_name: str = "Predicted"  # the probability column's name
-    batch_size: Optional[int] = None  # default: the run's trainer.eval_batch_size
+    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
     device: str = "auto"  # auto | cpu | cuda
     precision: Optional[str] = None  # tables' precision (default: as trained)
     block_size: int = 8 << 20  # bytes of raw text parsed at a time

@@ -37,6 +37,7 @@ def config(rows: int, dedup: bool, steps: int) -> TrainConfig:
     cfg.trainer.batch_size = 512
     cfg.trainer.max_steps = steps
     cfg.trainer.progress = False
+    cfg.trainer.checkpoint_every = None  # no mid-run checkpoint pause (the schema's default is every 1000 steps)
     cfg.trainer.log_every = 10_000
     return cfg
 

@@ -45,6 +45,7 @@ def make_config(rows: int, steps: int, placement: str, sync: str = "grad", every
     cfg.trainer.max_steps = steps
     cfg.trainer.log_every = 50
     cfg.trainer.progress = False
+    cfg.trainer.checkpoint_every = None  # no mid-run checkpoint pause (the schema's default is every 1000 steps)
     cfg.placement.kind = placement
     cfg.placement.cache_ratio = cache_ratio
     cfg.trainer.embedding_sync = sync

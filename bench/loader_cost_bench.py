@@ -42,6 +42,7 @@ def config(rows: int, steps: int, threads: int) -> TrainConfig:
     cfg.trainer.batch_size = 128
     cfg.trainer.max_steps = steps
     cfg.trainer.progress = False
+    cfg.trainer.checkpoint_every = None  # no mid-run checkpoint pause (the schema's default is every 1000 steps)
     cfg.trainer.log_every = 10_000
     cfg.trainer.threads = threads
     cfg.trainer.final_checkpoint = False

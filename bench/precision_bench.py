@@ -40,6 +40,7 @@ def train(rows: int, precision: str, rounding: str | None, ratio: float, epochs:
     cfg.trainer.epochs = epochs
     cfg.trainer.batch_size = 256
     cfg.trainer.progress = False
+    cfg.trainer.checkpoint_every = None  # no mid-run checkpoint pause (the schema's default is every 1000 steps)
     cfg.trainer.log_every = 10_000
     cfg.precision.kind = precision
     if rounding:

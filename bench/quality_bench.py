@@ -61,6 +61,7 @@ def make_config(args, seed: int, overrides: dict):
     cfg.trainer.threads = args.threads or None  # 0: the trainer's default (train/threads.py)
     cfg.trainer.seed = seed
     cfg.trainer.progress = False
+    cfg.trainer.checkpoint_every = None  # no mid-run checkpoint pause (the schema's default is every 1000 steps)
     cfg.trainer.log_every = 1_000_000
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value)

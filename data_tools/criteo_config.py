@@ -13,29 +13,37 @@ ALL_SPLIT = "all"  # the one split of split=none
 
 @dataclass
 class CriteoConfig:
-    # A path, a glob ("day_*.gz") or a list of paths/globs.
+    # The raw Criteo TSV to read (Kaggle train.txt, Terabyte day_*; plain or
+    # .gz): a file, a glob ('day_*.gz', natural order) or a list: input=[day_0.gz,day_1.gz].
     input: Any = None
+    # The dataset directory to write (built under <output>.tmp-<pid>, renamed at the end).
     output: Optional[str] = None
+    # Vocabulary mode: values seen at least min_count times get ids 1..V-1 by
+    # descending frequency (ties by value); rarer and missing values share id 0.
     min_count: int = 1
+    # Hashing mode instead (one pass): id = 1 + value % (hash_buckets - 1), missing -> 0.
     hash_buckets: Optional[int] = None
-    label_dtype: str = "float32"  # float32 | int8
-    split: str = "kaggle"  # kaggle | ratios | none (one split, "all", of every row)
-    ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
-    on_error: str = "raise"  # raise | skip
-    row_group_rows: int = sh.DEFAULT_ROW_GROUP_ROWS
-    shard_rows: int = sh.DEFAULT_SHARD_ROWS
-    compression: str = "snappy"
+    label_dtype: str = "float32"  # the label column's type: float32 | int8
+    # kaggle (DLRM: 7 days, the last day halved into test and val) | ratios
+    # (see ratios) | none (one split, "all", of every row)
+    split: str = "kaggle"
+    ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])  # train, val, test for split=ratios
+    on_error: str = "raise"  # a malformed line: raise (stop naming file, line, column) | skip (drop and count)
+    row_group_rows: int = sh.DEFAULT_ROW_GROUP_ROWS  # rows per parquet row group
+    shard_rows: int = sh.DEFAULT_SHARD_ROWS  # rows per shard file
+    compression: str = "snappy"  # parquet compression of the shards
     block_size: int = 8 << 20  # bytes of text parsed at a time
     # Vocabulary mode: keep pass 1's parsed rows in a temporary Arrow file in
-    # the output's temporary directory (about 160 bytes a row) so that pass 2
-    # does not parse the text again; false: pass 2 re-reads the input.
+    # the output's temporary directory (about 160 bytes a row, removed at the
+    # end) so that pass 2 does not parse the text again; false: pass 2 re-reads the input.
     spill: bool = True
     # Map values with this dataset's saved vocabulary (a `recsys preprocess`
-    # output) in one pass instead of building one; unseen values -> id 0.
+    # output) in one pass instead of building one; values it has no id for ->
+    # 0, counted per feature in manifest.options.unknown_values.
     vocab: Optional[str] = None
-    # false: 39-column input without the label column (Criteo's test.txt).
+    # false: 39-column input without the label column (Criteo's test.txt); the shards get no label column.
     labels: bool = True
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal
 
 
 def validate(cfg: CriteoConfig) -> None:

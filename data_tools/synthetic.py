@@ -97,21 +97,26 @@ _AUC_SAMPLE_ROWS = 1_000_000
 
 @dataclass
 class SyntheticConfig:
-    rows: int = 200_000
-    seed: int = 0
-    cardinality_scale: float = 0.001
-    min_vocab: int = 3
-    zipf_exponent: float = 1.1
-    missing_rate: float = 0.05
-    split_ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
-    row_group_rows: int = 65536
-    sessions: bool = False
-    session_mean_length: float = 8.0
-    session_repeat: float = 0.85
-    multi_hot_features: int = 0
-    multi_hot_vocab: int = 100_000
-    multi_hot_max_length: int = 50
-    multi_hot_min_length: int = 0
+    # Rows in all splits together. The default (500k rows at cardinality
+    # scale 0.002) is `recsys train`'s built-in dataset, and what `recsys
+    # preprocess synthetic` writes unless told otherwise.
+    rows: int = 500_000
+    seed: int = 0  # the data is a function of the options and this seed
+    # Vocabulary of feature f: min(card_f, max(min_vocab, ceil(card_f * scale))),
+    # card_f the Criteo Kaggle feature's distinct values.
+    cardinality_scale: float = 0.002
+    min_vocab: int = 3  # the smallest vocabulary of a feature
+    zipf_exponent: float = 1.1  # the skew of the ids' Zipf draws
+    missing_rate: float = 0.05  # mean over the 39 features; Criteo-like per-feature profile
+    split_ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])  # train, val, test
+    row_group_rows: int = 65536  # rows per parquet row group
+    sessions: bool = False  # rows in sessions of one user (a session column; RecD's dedup finds repeats)
+    session_mean_length: float = 8.0  # sessions: mean rows per session
+    session_repeat: float = 0.85  # sessions: chance a sparse value equals its session's (else drawn fresh)
+    multi_hot_features: int = 0  # extra multi-hot (bag) features, e.g. a user's history
+    multi_hot_vocab: int = 100_000  # multi-hot features: vocabulary of each
+    multi_hot_max_length: int = 50  # multi-hot features: the longest bag
+    multi_hot_min_length: int = 0  # multi-hot features: the shortest bag
 
 
 # --------------------------------------------------------------------------- config helpers

@@ -26,7 +26,8 @@ commands:
   export                an inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4 format=pt2|module)
   verify                check a dataset's shards against its manifest, or a run's checkpoints (recsys verify DIR)
 
-`recsys COMMAND --help` shows the command's config; sweeps: recsys train -m key=a,b
+`recsys COMMAND --help`: the command's purpose, its keys with their defaults and meaning, and examples;
+sweeps: recsys train -m key=a,b
 """
 
 
@@ -63,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         elif command == "preprocess":
             from recsys_cli.preprocess import run_preprocess
 
+            if rest and rest[0] in ("-h", "--help"):
+                from recsys_cli.preprocess import preprocess_help
+
+                print(preprocess_help())
+                return
             if not rest or rest[0].startswith("-") or "=" in rest[0]:
                 fail("preprocess needs a source: recsys preprocess criteo|synthetic ...")
             run_preprocess(rest[0], rest[1:])

@@ -132,23 +132,25 @@ class MonitorMode(Choice):
 
 @dataclass
 class DatasetConfig:
-    name: str = "synthetic"
+    name: str = "synthetic"  # the dataset's name (the dataset= option chosen), shown in summaries
     # A preprocessed dataset directory (manifest.json + shards). Empty for the
     # synthetic dataset, which is generated on first use into cache_dir.
     path: Optional[str] = None
+    # Where the synthetic dataset is generated (unset: $RECSYS_CACHE or ~/.cache/recsys).
     cache_dir: Optional[str] = None
+    # The synthetic data (used when path is unset).
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 @dataclass
 class ModelConfig:
-    name: str = "dlrm_small"
-    embedding_dim: int = 16
+    name: str = "dlrm_small"  # the model's name (the model= option chosen)
+    embedding_dim: int = 16  # width of every embedding row
     # Hidden and output widths; the bottom MLP's input is the 13 dense
     # features and its output must equal embedding_dim for the dot interaction.
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
-    top_mlp: list[int] = field(default_factory=lambda: [64, 1])
-    interaction: Interaction = Interaction.dot
+    top_mlp: list[int] = field(default_factory=lambda: [64, 1])  # top MLP widths; the last is 1 (the logit)
+    interaction: Interaction = Interaction.dot  # dot (DLRM) | cat | dcn (DCNv2 low-rank cross layers)
     dcn_layers: int = 3  # dcn: cross layers
     dcn_rank: int = 512  # dcn: rank of each cross layer's weight
     # MLP initialisation: dlrm (the reference dlrm_s_pytorch's normal draws) | torch (nn.Linear's default).
@@ -159,17 +161,19 @@ class ModelConfig:
     # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
     # Both off by default: the default is the exact fp32 path.
     compile: bool = False
-    dense_precision: DensePrecision = DensePrecision.fp32
+    dense_precision: DensePrecision = DensePrecision.fp32  # fp32 | bf16 (autocast of the MLPs)
 
 
 @dataclass
 class PlacementConfig:
+    # Where the tables live: device | gpu (old name of device) | host | uvm |
+    # lookahead | cache | disk | auto (the budget search, per table).
     kind: PlacementKind = PlacementKind.device
     # Cache size in rows for lookahead/cache; when unset, cache_ratio of all rows.
     cache_rows: Optional[int] = None
-    cache_ratio: float = 0.05
+    cache_ratio: float = 0.05  # lookahead/cache/disk: the device cache's share of all rows
     window: int = 4  # lookahead: batches prefetched ahead of the trainer
-    policy: CachePolicy = CachePolicy.lru  # victim policy
+    policy: CachePolicy = CachePolicy.lru  # the cache's victim policy: lru | lfu
     # Per-table placement: {table name: placement}, applied after the size rule.
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
@@ -180,8 +184,8 @@ class PlacementConfig:
     # at exit; unset: the system's temporary directory), and the host cache of
     # rows in front of them (rows; unset: host_cache_ratio of all rows).
     disk_path: Optional[str] = None
-    host_cache_rows: Optional[int] = None
-    host_cache_ratio: float = 0.05
+    host_cache_rows: Optional[int] = None  # disk: host cache size in rows (unset: host_cache_ratio)
+    host_cache_ratio: float = 0.05  # disk: the host cache's share of all rows
     # disk: reads in flight at once (threads issuing the coalesced preads).
     disk_io_threads: int = 8
     # auto: bytes of host memory the tables may use; tables that do not fit go to disk.
@@ -193,17 +197,17 @@ class PlacementConfig:
 
 @dataclass
 class PrecisionConfig:
-    kind: PrecisionKind = PrecisionKind.fp32
-    rounding: Rounding = Rounding.stochastic
+    kind: PrecisionKind = PrecisionKind.fp32  # how table rows are stored: fp32 | fp16 | int8 | int4
+    rounding: Rounding = Rounding.stochastic  # stochastic | nearest: how updated rows are rounded to kind
     # fp32 cache in front of a low-precision table; unset: the paper's defaults
     # (0.05 for int8, 0.01 for int4, 0.05 for fp16).
     cache_ratio: Optional[float] = None
-    policy: CachePolicy = CachePolicy.lru
+    policy: CachePolicy = CachePolicy.lru  # that fp32 cache's victim policy: lru | lfu
 
 
 @dataclass
 class DedupConfig:
-    enabled: bool = False
+    enabled: bool = False  # RecD: batches carry each feature's unique bags plus an inverse index
     # Shuffle whole sessions instead of samples, so a batch holds whole
     # sessions; unset: on exactly when dedup is (set it to compare on vs off
     # on the same batches).
@@ -215,35 +219,37 @@ class OptimizerConfig:
     # sgd: SGD for dense and rows; adagrad: Adagrad for dense parameters and
     # row-wise Adagrad (one accumulator per row) for embedding rows.
     name: OptimizerName = OptimizerName.sgd
-    lr: float = 0.1
-    eps: float = 1e-8
-    initial_accumulator: float = 0.0
+    lr: float = 0.1  # learning rate (of dense parameters and rows alike)
+    eps: float = 1e-8  # adagrad: added to the root of the accumulator
+    initial_accumulator: float = 0.0  # adagrad: the accumulators' starting value
     # Learning-rate schedule for dense and row updates alike (train/schedule.py):
     # constant, or warmup_poly: linear warmup over warmup_steps, then from
     # decay_start_step (unset: the end of warmup) a polynomial decay of power
     # decay_power over decay_steps (unset: to the last step of the run), never
     # below min_lr, held at its last value afterwards.
     schedule: ScheduleKind = ScheduleKind.constant
-    warmup_steps: int = 0
-    decay_start_step: Optional[int] = None
-    decay_steps: Optional[int] = None
-    decay_power: float = 2.0
-    min_lr: float = 1e-7
+    warmup_steps: int = 0  # warmup_poly: steps of linear warmup to lr
+    decay_start_step: Optional[int] = None  # warmup_poly: the first step of the decay (unset: the end of warmup)
+    decay_steps: Optional[int] = None  # warmup_poly: steps the decay lasts (unset: to the last step)
+    decay_power: float = 2.0  # warmup_poly: the power of the polynomial decay
+    min_lr: float = 1e-7  # warmup_poly: the decay never goes below this
 
 
 @dataclass
 class TrainerConfig:
-    batch_size: int = 128
-    # 1024, not 4096: half the evaluation's working set (about 150 vs 300 MiB on
-    # a Kaggle-sized split) for 48 vs 44-46 s (BENCHMARKS "Evaluation memory by phase").
+    batch_size: int = 256  # examples per optimizer step (with trainer.nproc > 1: all processes together)
+    # Examples per evaluation batch. 1024, not 4096: half the evaluation's working set (about
+    # 150 vs 300 MiB on a Kaggle-sized split) for 48 vs 44-46 s (BENCHMARKS "Evaluation memory by phase").
     eval_batch_size: int = 1024
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    eval_every: Optional[int] = None  # steps; evaluation also runs at the end
-    log_every: int = 50
-    checkpoint_every: Optional[int] = None  # steps (null: none during the run)
+    epochs: int = 1  # passes over the training split
+    max_steps: Optional[int] = None  # stop after this many steps (unset: after the epochs)
+    # Validation every N steps (unset: never mid-epoch); it also runs at the end of
+    # the run, and of each epoch with eval_each_epoch.
+    eval_every: Optional[int] = None
+    log_every: int = 50  # steps between progress lines (and metrics.jsonl records)
+    checkpoint_every: Optional[int] = 1000  # a checkpoint every N steps (null: none during the run)
     final_checkpoint: bool = True  # also write one at the end of the run (false: a run that keeps no model)
-    checkpoint_dir: Optional[str] = None  # default: <run dir>/checkpoints
+    checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <run dir>/checkpoints)
     # "true" resumes from checkpoint_dir's latest checkpoint, a path from that
     # checkpoint (file or directory).
     resume: Optional[str] = None
@@ -251,23 +257,25 @@ class TrainerConfig:
     # file or directory) on a dataset with the same vocabulary, e.g. the next
     # day; unlike resume, the step count, data position and RNGs start afresh.
     init_from: Optional[str] = None
-    device: DeviceChoice = DeviceChoice.auto
-    seed: int = 0
-    nproc: int = 1
+    device: DeviceChoice = DeviceChoice.auto  # auto (cuda when there is one) | cpu | cuda
+    seed: int = 0  # seeds the model's initialisation, the shuffle and every random draw
+    nproc: int = 1  # training processes on this machine (data parallel; see placement.sharding)
     # More processes than cores is refused (they only compete for the cores);
     # true starts them anyway (train/distributed.check_process_count).
     oversubscribe: bool = False
+    # Several processes: grad (exact: row gradients averaged with the dense
+    # ones) | cache_avg (cDLRM: cache replicas averaged every sync_every steps).
     embedding_sync: EmbeddingSyncMode = EmbeddingSyncMode.grad
-    sync_every: int = 1
+    sync_every: int = 1  # cache_avg: steps between averages of the touched rows
     # Seconds a collective may wait for its peers before the run fails
     # (multi-process runs: a rank that hangs cannot hang the others forever).
     dist_timeout: float = 120.0
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal (progress lines otherwise)
     # torch compute (intra-op) threads while training; unset: the cores this
     # process may use minus one per busy background thread (loader,
     # prefetcher), at least one (train/threads.py).
     threads: Optional[int] = None
-    loader_queue_depth: int = 8
+    loader_queue_depth: int = 8  # batches the background loader may hold ready
     # metrics.jsonl is always written; tensorboard also writes the same scalars
     # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
     logger: LoggerKind = LoggerKind.jsonl
@@ -280,15 +288,17 @@ class TrainerConfig:
     # Checkpoints kept: the newest keep_last, and with keep_best the one of the
     # best validation `monitor` so far (checkpoints/best.json names it).
     keep_last: int = 2
-    keep_best: bool = False
+    keep_best: bool = False  # also keep the checkpoint of the best `monitor` so far
+    # The validation metric watched: auc | accuracy | logloss | normalized_entropy.
     monitor: MonitorMetric = MonitorMetric.auc
+    # Better is: auto (auc and accuracy max, logloss and normalized_entropy min) | max | min.
     monitor_mode: MonitorMode = MonitorMode.auto
     # Stop when `monitor` has not improved by more than early_stop_min_delta
     # in early_stop_patience validations (Lightning's EarlyStopping); stop
     # when the validation AUC reaches stop_at_auc (dlrm's --mlperf-auc-threshold).
     early_stop_patience: Optional[int] = None
-    early_stop_min_delta: float = 0.0
-    stop_at_auc: Optional[float] = None
+    early_stop_min_delta: float = 0.0  # the least change of `monitor` that counts as an improvement
+    stop_at_auc: Optional[float] = None  # stop once the validation AUC reaches this (unset: never)
 
 
 @dataclass

@@ -35,23 +35,23 @@ import torch
 
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
-from recsys_cli.options import help_text, parse_options, require
+from recsys_cli.options import help_text, parse_options, require, wants_help
 
 RESULT = "evaluation.json"
 
 
 @dataclass
 class EvaluateConfig:
-    checkpoint: Optional[str] = None
-    dataset: Optional[str] = None  # default: the dataset the checkpoint was trained on
-    split: Optional[str] = None  # default: test, else val
-    output: Optional[str] = None  # default: <run dir>/evaluate-<split>
-    bins: int = 10
-    batch_size: Optional[int] = None  # default: the run's trainer.eval_batch_size
-    device: str = "auto"
-    precision: Optional[str] = None
-    plots: bool = True
-    progress: bool = True
+    checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
+    dataset: Optional[str] = None  # the labelled dataset directory to score (default: the checkpoint's own)
+    split: Optional[str] = None  # the split to score (default: test, else val)
+    output: Optional[str] = None  # the directory to write (default: <run dir>/evaluate-<split>)
+    bins: int = 10  # calibration bins over the predicted probability
+    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
+    device: str = "auto"  # auto | cpu | cuda
+    precision: Optional[str] = None  # score with the tables converted: fp32 | fp16 | int8 | int4 (default: as trained)
+    plots: bool = True  # write roc.png and calibration.png (false: evaluation.json only)
+    progress: bool = True  # a progress bar on a terminal
 
 
 def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
@@ -181,8 +181,12 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
     return json.loads((output / RESULT).read_text())
 
 
+EXAMPLES = ("recsys evaluate checkpoint=outputs/run",
+            "recsys evaluate checkpoint=outputs/run/checkpoints split=val precision=int8 output=eval-int8")
+
+
 def run_evaluate(overrides: list[str]) -> None:
-    if any(o in ("-h", "--help") for o in overrides):
-        print(help_text(EvaluateConfig, "evaluate", __doc__))
+    if wants_help(overrides):
+        print(help_text("evaluate", __doc__ or "", EXAMPLES, schema=EvaluateConfig))
         return
     evaluate(parse_options(EvaluateConfig, overrides, "evaluate"))

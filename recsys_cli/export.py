@@ -74,7 +74,7 @@ from torch import nn
 
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
-from recsys_cli.options import help_text, parse_options, require
+from recsys_cli.options import help_text, parse_options, require, wants_help
 
 METADATA = "recsys.json"
 M = TypeVar("M", bound=nn.Module)
@@ -84,10 +84,11 @@ FORMATS = {"pt2": ".pt2", "module": ".scorer.pt"}  # format -> the default outpu
 
 @dataclass
 class ExportConfig:
-    checkpoint: Optional[str] = None
-    precision: str = "fp32"  # fp32 | fp16 | int8 | int4
+    checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
+    precision: str = "fp32"  # the tables' precision in the artifact: fp32 | fp16 | int8 | int4
     format: str = "pt2"  # pt2: one torch.export program, torch alone loads it | module: fastest load, needs recsys
-    output: Optional[str] = None  # default: <run dir>/model-<precision>.pt2 (format=module: .scorer.pt)
+    # The file to write (default: <run dir>/model-<precision>.pt2; format=module: .scorer.pt).
+    output: Optional[str] = None
     vocab: Optional[str] = None  # dataset whose vocabulary maps raw values (default: the training dataset's)
 
 
@@ -469,8 +470,12 @@ def load_metadata(path: str | Path) -> dict:
             raise UserError(f"{path}: its extra/{METADATA} is not JSON ({e})") from None
 
 
+EXAMPLES = ("recsys export checkpoint=outputs/run",
+            "recsys export checkpoint=outputs/run precision=int8 format=module output=model.scorer.pt")
+
+
 def run_export(overrides: list[str]) -> None:
-    if any(o in ("-h", "--help") for o in overrides):
-        print(help_text(ExportConfig, "export", __doc__))
+    if wants_help(overrides):
+        print(help_text("export", __doc__ or "", EXAMPLES, schema=ExportConfig))
         return
     export(parse_options(ExportConfig, overrides, "export"))

@@ -32,7 +32,7 @@ import torch
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
 from recsys_cli.locks import locked_output
-from recsys_cli.options import help_text, parse_options, require
+from recsys_cli.options import help_text, parse_options, require, wants_help
 
 
 @dataclass
@@ -44,16 +44,16 @@ class PredictConfig:
     vocab: Optional[str] = None  # raw input: dataset whose vocabulary maps it (default: the training dataset's)
     labels: Optional[bool] = None  # raw input: 40 fields (true) or 39 (false); default: from the first line
     id_start: Optional[int] = None  # add an id column counting from this number
-    id_name: str = "Id"
-    prob_name: str = "Predicted"
-    batch_size: Optional[int] = None  # default: the run's trainer.eval_batch_size
+    id_name: str = "Id"  # the id column's name
+    prob_name: str = "Predicted"  # the probability column's name
+    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
     device: str = "auto"  # auto | cpu | cuda
     precision: Optional[str] = None  # tables' precision (default: as trained)
     block_size: int = 8 << 20  # bytes of raw text parsed at a time
     # torch intra-op threads; default half the cores: the other half parse (measured on 2 cores: 1 thread
     # scores 5x faster than 2, whose parallel regions stall whenever the parser threads hold a core)
     threads: Optional[int] = None
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal
 
 
 # --------------------------------------------------------------------------- sources of rows
@@ -338,8 +338,12 @@ def _predict(cfg: PredictConfig, output: Path, console) -> dict:
     return {"rows": writer.rows, "seconds": seconds}
 
 
+EXAMPLES = ("recsys predict checkpoint=outputs/run input=test.txt output=preds.csv id_start=60000000",
+            "recsys predict checkpoint=outputs/run input=data/kaggle split=test output=preds.csv")
+
+
 def run_predict(overrides: list[str]) -> None:
-    if any(o in ("-h", "--help") for o in overrides):
-        print(help_text(PredictConfig, "predict", __doc__))
+    if wants_help(overrides):
+        print(help_text("predict", __doc__ or "", EXAMPLES, schema=PredictConfig))
         return
     predict(parse_options(PredictConfig, overrides, "predict"))

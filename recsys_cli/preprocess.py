@@ -29,9 +29,11 @@ SOURCES = ("criteo", "synthetic")
 
 @dataclass
 class SyntheticPreprocessConfig(SyntheticConfig):
+    # format=parquet: the dataset directory to write; format=tsv: the TSV file
+    # (gzip'd when it ends in .gz), input for `recsys preprocess criteo`.
     output: Optional[str] = None
     format: str = "parquet"  # parquet | tsv
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal
 
 
 _SCHEMAS = {"criteo": CriteoConfig, "synthetic": SyntheticPreprocessConfig}
@@ -96,13 +98,39 @@ def load_config(source: str, overrides: list[str]):
         raise UserError(_error_message(source, e)) from None
 
 
-def run_preprocess(source: str, overrides: list[str]) -> None:
-    if any(o in ("-h", "--help") for o in overrides):
-        from omegaconf import OmegaConf
+PURPOSE = {
+    "criteo": "Raw Criteo TSV (Kaggle train.txt, Terabyte day_*; plain or .gz) -> a dataset directory of parquet "
+              "shards and manifest.json, for `recsys train dataset.path=DIR` (vocabulary or hashing mode).",
+    "synthetic": "Synthetic Criteo-like data: format=parquet writes a dataset directory (by default the data of "
+                 "`recsys train`'s built-in dataset); format=tsv writes one raw Criteo TSV file (gzip'd when "
+                 "output ends in .gz) for `recsys preprocess criteo`.",
+}
+EXAMPLES = {
+    "criteo": ("recsys preprocess criteo input=train.txt output=data/kaggle",
+               "recsys preprocess criteo input=test.txt output=data/kaggle-test vocab=data/kaggle labels=false"),
+    "synthetic": ("recsys preprocess synthetic output=data/synthetic",
+                  "recsys preprocess synthetic rows=100000 output=raw.tsv.gz format=tsv"),
+}
 
+
+def preprocess_help() -> str:
+    """`recsys preprocess --help`: the sources; each has its own --help."""
+    from recsys_cli.options import help_text
+
+    return help_text("preprocess", "Build a dataset directory. `recsys preprocess SOURCE --help` lists the "
+                     "source's keys, their defaults and what they mean.", (EXAMPLES["criteo"][0],
+                                                                           EXAMPLES["synthetic"][0]),
+                     entries=[(name, PURPOSE[name]) for name in SOURCES],
+                     usage="recsys preprocess criteo|synthetic key=value ...")
+
+
+def run_preprocess(source: str, overrides: list[str]) -> None:
+    from recsys_cli.options import help_text, wants_help
+
+    if wants_help(overrides):  # the defaults as composed with the other overrides given
         rest = [o for o in overrides if o not in ("-h", "--help")]
-        print(f"usage: recsys preprocess {source} key=value ...\n\noptions (defaults):")
-        print(OmegaConf.to_yaml(compose(source, rest)))
+        print(help_text(f"preprocess {source}", PURPOSE[source], EXAMPLES[source], schema=_SCHEMAS[source],
+                        values=compose(source, rest)))
         return
     cfg = load_config(source, overrides)
     # One writer per output (locks.py): a second preprocess into the same

@@ -87,7 +87,17 @@ def verify_checkpoints(directory: Path) -> None:
           "and every file holds plain data only")
 
 
+EXAMPLES = ("recsys verify data/kaggle", "recsys verify outputs/2026-01-01/12-00-00")
+ARGUMENTS = (("DIR", "a preprocessed dataset directory (its manifest.json names every shard), or a run directory "
+                     "or checkpoint directory (every checkpoint's files against their records)"),)
+
+
 def run_verify(args: list[str]) -> None:
+    from recsys_cli.options import help_text, wants_help
+
+    if wants_help(args):
+        print(help_text("verify", __doc__ or "", EXAMPLES, entries=ARGUMENTS, usage="recsys verify DIR"))
+        return
     if len(args) != 1 or args[0].startswith("-"):
         raise UserError("usage: recsys verify DIR (a preprocessed dataset directory, or a run or checkpoint directory)")
     directory = Path(args[0]).expanduser()

@@ -15,8 +15,15 @@ RECSYS = str(Path(sys.executable).with_name("recsys"))
 def in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """(exit status, stderr) of `recsys ARGV` run by main() here: for commands
     that compose their config without Hydra's global state (predict, evaluate,
-    export, verify, report), and train's config errors found before Hydra
-    starts; anything that runs Hydra's app needs its own process."""
+    export, verify, report, preprocess's --help), and train's config errors
+    and --help, found before Hydra starts; anything that runs Hydra's app
+    needs its own process."""
+    code, _, err = in_process_output(argv, capsys)
+    return code, err
+
+
+def in_process_output(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `recsys ARGV`, as in_process."""
     from recsys_cli.cli import main
 
     capsys.readouterr()
@@ -25,4 +32,5 @@ def in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -425,13 +425,6 @@ def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, mess
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
 
 
-def test_train_help_lists_only_train_groups(tmp_path):
-    r = recsys("train", "--help", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    assert "placement:" in groups and "preprocess" not in groups
-
-
 # --- 9. dedup on a dataset without sessions ------------------------------------------------------------------------
 
 

@@ -157,7 +157,9 @@ def test_readme_train_commands_compose_as_written(command, tmp_path):
         for o in overrides:
             group, _, option = o.lstrip("+").partition("=")
             if group in ("placement", "precision"):  # the file chosen is the file applied
-                expected = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text())["kind"]
+                chosen = yaml.safe_load((CONFIGS / group / f"{option}.yaml").read_text()) or {}
+                # the default option sets nothing: its kind is the schema's
+                expected = chosen.get("kind", OmegaConf.structured(TrainConfig)[group].kind)
                 assert cfg[group].kind == expected
 
 
@@ -314,3 +316,42 @@ def test_the_precision_cache_ratio_sizes_what_it_says(tmp_path):
     with pytest.raises(UserError, match=re.escape("precision.cache_ratio=0.1 would not be used: placement=lookahead")):
         Trainer(config(tmp_path, trainer__max_steps=1, placement__kind="lookahead", placement__device_max_rows=0,
                        precision__kind="int8", precision__cache_ratio=0.1))
+
+
+def default_options() -> dict[str, str]:
+    """{group: option} of train.yaml's defaults list (what `recsys train` uses)."""
+    defaults = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
+    return {k: str(v) for d in defaults if isinstance(d, dict) for k, v in d.items()}
+
+
+def schema_default(schema, key: str):
+    value = OmegaConf.select(schema, key)
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def test_every_default_is_defined_once_in_the_schema():
+    """Issue 42 item 5: the schema (recsys_cli/config.py, data_tools'
+    SyntheticConfig and CriteoConfig) holds every default. A YAML file sets
+    only what its option changes, so no key of any YAML file under configs/
+    or preprocess_configs/ may repeat the schema's value (a second definition
+    that would drift from it), and the files `recsys train` and `recsys
+    preprocess` compose by default set no key at all (config.py once said
+    batch_size 128 where trainer/default.yaml said 256)."""
+    from recsys_cli.preprocess import _SCHEMAS
+
+    twice, by_default = [], []
+    train_schema = OmegaConf.structured(TrainConfig)
+    files = [(p, f"{p.parent.name}/{p.stem}", train_schema, p.parent.name) for p in CONFIGS.glob("*/*.yaml")]
+    files += [(CONFIGS / "train.yaml", "train", train_schema, "")]
+    files += [(p, f"preprocess_configs/{p.stem}", OmegaConf.structured(_SCHEMAS[p.stem]), "")
+              for p in (REPO / "preprocess_configs").glob("*.yaml")]
+    for path, name, schema, group in files:
+        values = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k not in ("defaults", "hydra")}
+        for key, value in (flatten(values, group) if group else flatten(values, "")).items():
+            key = key.lstrip(".")
+            if not group or default_options().get(group) == path.stem:
+                by_default.append(f"{name}: {key}={value!r}")
+            elif value == schema_default(schema, key):
+                twice.append(f"{name}: {key}={value!r}")
+    assert not twice, f"YAML values equal to the schema's default (defined twice): {twice}"
+    assert not by_default, f"default options that set values (the schema's default is the one): {by_default}"

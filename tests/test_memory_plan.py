@@ -32,6 +32,7 @@ FEATURES, VOCAB = ["C1", "C2", "C3", "C4"], [9_000, 300, 2_000, 7]
 
 def train_config(**overrides):
     cfg = OmegaConf.structured(TrainConfig)
+    cfg.trainer.batch_size = 128  # the schema's default when these tests were written (now 256)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
     return cfg

@@ -56,7 +56,7 @@ def test_the_default_lookahead_cache_fits_a_small_real_dataset(run):
     assert train.returncode == 0, train.stdout + train.stderr
     manifest = json.loads((run["tmp"] / "data" / "manifest.json").read_text())
     rows = [f["vocab_size"] for f in manifest["sparse_features"]]
-    expected = sum(min(n, 4 * 256) for n in rows)  # window 4 x batch 256 (trainer/default.yaml), per table
+    expected = sum(min(n, 4 * 256) for n in rows)  # window 4 x batch 256 (the trainer.batch_size default), per table
     assert round(0.05 * sum(rows)) < 26 * 100 and expected < sum(rows)  # 5 %: less than a batch needs; not all
     line = next(ln for ln in train.stdout.splitlines() if ln.startswith("lookahead cache of"))
     assert f"{expected:,} slots" in line and "raised to what the 4 batches of the window can need" in line

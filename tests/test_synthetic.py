@@ -39,7 +39,7 @@ def read(out: Path, splits=("train", "val", "test")) -> pa.Table:
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     out = tmp_path_factory.mktemp("syn") / "ds"
-    cfg = SyntheticConfig(rows=30_000, row_group_rows=4096)
+    cfg = SyntheticConfig(cardinality_scale=0.001, rows=30_000, row_group_rows=4096)
     return cfg, generate(cfg, out), out
 
 
@@ -47,7 +47,8 @@ def test_deterministic_from_seed(tmp_path, small):
     cfg, m, out = small
     m2 = generate(cfg, tmp_path / "again")
     assert m2.to_json() == m.to_json()  # includes every shard's sha256
-    m3 = generate(SyntheticConfig(rows=30_000, row_group_rows=4096, seed=1), tmp_path / "other")
+    m3 = generate(SyntheticConfig(cardinality_scale=0.001, rows=30_000, row_group_rows=4096, seed=1),
+                  tmp_path / "other")
     assert [s.sha256 for s in m3.splits["train"].shards] != [s.sha256 for s in m.splits["train"].shards]
 
 
@@ -157,7 +158,8 @@ def test_sessions_repeat_values_and_stay_whole(tmp_path, repeat):
 
 
 def test_multi_hot_without_sessions(tmp_path):
-    cfg = SyntheticConfig(rows=3000, multi_hot_features=1, multi_hot_min_length=0, multi_hot_max_length=3,
+    cfg = SyntheticConfig(cardinality_scale=0.001, rows=3000, multi_hot_features=1, multi_hot_min_length=0,
+                          multi_hot_max_length=3,
                           multi_hot_vocab=50)
     generate(cfg, tmp_path / "m")
     col = read(tmp_path / "m")["H1"].combine_chunks()
@@ -167,7 +169,7 @@ def test_multi_hot_without_sessions(tmp_path):
 
 
 def test_tsv_round_trips_through_criteo_preprocess(tmp_path):
-    cfg = SyntheticConfig(rows=12_000, missing_rate=0.1)
+    cfg = SyntheticConfig(cardinality_scale=0.001, rows=12_000, missing_rate=0.1)
     syn = generate(cfg, tmp_path / "syn")
     raw = write_tsv(cfg, tmp_path / "raw.txt.gz")
     lines = gzip.open(raw, "rt").read().splitlines()
@@ -200,31 +202,31 @@ def test_tsv_round_trips_through_criteo_preprocess(tmp_path):
 
 
 def test_tsv_plain_equals_gz(tmp_path):
-    cfg = SyntheticConfig(rows=2000)
+    cfg = SyntheticConfig(cardinality_scale=0.001, rows=2000)
     write_tsv(cfg, tmp_path / "a.txt")
     write_tsv(cfg, tmp_path / "b.txt.gz")
     assert (tmp_path / "a.txt").read_bytes() == gzip.open(tmp_path / "b.txt.gz").read()
     with pytest.raises(UserError, match="multi-hot"):
-        write_tsv(SyntheticConfig(rows=10, multi_hot_features=1), tmp_path / "c.txt")
+        write_tsv(SyntheticConfig(cardinality_scale=0.001, rows=10, multi_hot_features=1), tmp_path / "c.txt")
 
 
 def test_bad_config_is_user_error(tmp_path):
     with pytest.raises(UserError, match="session_repeat"):
-        generate(SyntheticConfig(rows=10, session_repeat=1.5), tmp_path / "x")
+        generate(SyntheticConfig(cardinality_scale=0.001, rows=10, session_repeat=1.5), tmp_path / "x")
     with pytest.raises(UserError, match="split_ratios must be three"):
-        generate(SyntheticConfig(rows=10, split_ratios=[0.5, 0.5]), tmp_path / "x")
+        generate(SyntheticConfig(cardinality_scale=0.001, rows=10, split_ratios=[0.5, 0.5]), tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
 def test_default_dataset_cached_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("RECSYS_CACHE", str(tmp_path / "cache"))
-    cfg = SyntheticConfig(rows=2000)
+    cfg = SyntheticConfig(cardinality_scale=0.001, rows=2000)
     p = default_dataset(cfg)
     assert p.parent == tmp_path / "cache" and p.name.startswith("synthetic-")
     mtime = (p / "manifest.json").stat().st_mtime_ns
-    assert default_dataset(SyntheticConfig(rows=2000)) == p
+    assert default_dataset(SyntheticConfig(cardinality_scale=0.001, rows=2000)) == p
     assert (p / "manifest.json").stat().st_mtime_ns == mtime  # reused, not regenerated
-    q = default_dataset(SyntheticConfig(rows=2000, seed=5), cache_dir=tmp_path / "other")
+    q = default_dataset(SyntheticConfig(cardinality_scale=0.001, rows=2000, seed=5), cache_dir=tmp_path / "other")
     assert q.parent == tmp_path / "other" and q.name != p.name
 
 
@@ -232,7 +234,7 @@ _RACER = r"""
 import sys
 from pathlib import Path
 from data_tools.synthetic import SyntheticConfig, default_dataset
-print(default_dataset(SyntheticConfig(rows=20000), Path(sys.argv[1])))
+print(default_dataset(SyntheticConfig(cardinality_scale=0.001, rows=20000), Path(sys.argv[1])))
 """
 
 

@@ -88,7 +88,7 @@ def test_a_lock_removed_by_its_holder_is_not_taken_twice(tmp_path, monkeypatch):
 
 def test_two_concurrent_preprocess_runs_into_one_output(tmp_path, capsys):
     out = tmp_path / "data"
-    args = ["preprocess", "synthetic", "rows=100000", f"output={out}", "progress=false"]
+    args = ["preprocess", "synthetic", "rows=100000", "cardinality_scale=0.001", f"output={out}", "progress=false"]
     first = subprocess.Popen([RECSYS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = lock_file_of(out)
     deadline = time.monotonic() + 60
@@ -121,7 +121,8 @@ def test_a_stale_preprocess_lock_is_taken_over(tmp_path, capsys):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     out = tmp_path / "data"
     lock_file_of(out).write_text(f"{dead.stdout.strip()} preprocess\n")  # left by a killed preprocess
-    code, err = run_cli(["preprocess", "synthetic", "rows=500", f"output={out}", "progress=false"], capsys)
+    code, err = run_cli(["preprocess", "synthetic", "rows=500", "cardinality_scale=0.001", f"output={out}",
+                         "progress=false"], capsys)
     assert code == 0, err
     assert (out / "manifest.json").is_file() and not lock_file_of(out).exists()
 

@@ -11,7 +11,7 @@ from devices import TEST_DEVICE
 
 
 def config(cache_dir, **overrides) -> TrainConfig:
-    """Synthetic data of 20k rows in `cache_dir`, batch 128, no progress bar;
+    """Synthetic data of 20k rows in `cache_dir`, batch 128, no checkpoint during the run, no progress bar;
     overrides as keyword arguments with `__` for dots (trainer__max_steps=30)."""
     cfg = OmegaConf.structured(TrainConfig)
     cfg.dataset.cache_dir = str(cache_dir)
@@ -21,6 +21,7 @@ def config(cache_dir, **overrides) -> TrainConfig:
     cfg.trainer.device = TEST_DEVICE.type  # cpu unless RECSYS_TEST_DEVICE says otherwise
     cfg.trainer.batch_size = 128
     cfg.trainer.log_every = 10
+    cfg.trainer.checkpoint_every = None  # the schema's default before it became 1000 (issue 42 item 5)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key.replace("__", "."), value, merge=True)
     return cfg

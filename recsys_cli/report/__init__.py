@@ -120,10 +120,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+EXAMPLES = ("recsys report outputs/2026-01-01/12-00-00",
+            "recsys report multirun/2026-01-01/12-00-00 --out sweep-report --no-plots")
+
+
+def report_help() -> str:
+    """`recsys report --help` in every command's layout (options.help_text),
+    the arguments and their descriptions taken from the parser."""
+    from recsys_cli.options import help_text
+
+    p = parser()
+    entries = []
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        metavar = str(action.metavar) if action.metavar else ""
+        name = " ".join([*action.option_strings, metavar]).strip()
+        entries.append((name, action.help or ""))
+    return help_text("report", p.description or "", EXAMPLES, entries=entries,
+                     usage="recsys report DIR [--out DIR] [--no-plots]")
+
+
 def run_report(args: list[str]) -> None:
     """`recsys report DIR [--out DIR] [--no-plots]`."""
     from rich.console import Console
 
+    from recsys_cli.options import wants_help
+
+    if wants_help(args):
+        print(report_help())
+        return
     options = parser().parse_args(args)
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no reason to fold the tables to 80 columns

@@ -161,8 +161,43 @@ def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
     return out
 
 
+PURPOSE = """Train a DLRM on the built-in synthetic data or a preprocessed dataset (dataset.path=DIR), its
+embedding tables placed by placement= and stored at precision=. Writes a run directory
+(outputs/DATE/TIME, or hydra.run.dir=DIR: metrics.jsonl, checkpoints/, summary.json) and prints the
+end-of-run table. Arguments are Hydra overrides: group=option picks configs/GROUP/OPTION.yaml,
+key=value sets a key, -m sweeps comma-separated values (recsys train -m optimizer.lr=0.05,0.1).
+The defaults below are the schema's, with the options and overrides given before --help applied."""
+
+EXAMPLES = ("recsys train trainer.max_steps=200 dataset.synthetic.rows=20000",
+            "recsys train placement=lookahead precision=int8 optimizer=adagrad trainer.batch_size=512")
+
+
+def train_help(overrides: list[str]) -> str:
+    """`recsys train [overrides] --help`: the config groups and their
+    options, then every key with its default (as composed with `overrides`)
+    and its description from the schema (options.help_text, as every command)."""
+    from recsys_cli.config import TrainConfig
+    from recsys_cli.options import help_text
+
+    rest = [o for o in overrides if o not in ("-h", "--help", "-m", "--multirun")]
+    cfg = check_overrides(rest)
+    defaults = OmegaConf.load(Path(CONFIG_DIR) / "train.yaml").defaults
+    chosen = {str(k): str(v) for d in defaults if isinstance(d, DictConfig) for k, v in d.items()}
+    groups = ["groups (group=option; * the default):"]
+    for group in sorted(chosen):
+        options = sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+        groups.append(f"  {group}: " + ", ".join(f"{o}*" if o == chosen[group] else o for o in options))
+    groups.append("Hydra's own flags (--cfg job, --hydra-help, --info) still work.")
+    return help_text("train", PURPOSE, EXAMPLES, schema=TrainConfig, values=cfg,
+                     usage="recsys train [-m] [group=option ...] [key=value ...]", extra="\n".join(groups))
+
+
 def run_train_app(overrides: list[str]) -> None:
     overrides = group_overrides(overrides)  # +placement=x, the older spelling, is placement=x
+    if any(o in ("-h", "--help") for o in overrides):  # ours, before Hydra's template (--hydra-help is Hydra's)
+        register_configs()
+        print(train_help(overrides))
+        return
     register_configs()
     cfg = check_overrides(overrides)
     check_places(overrides, cfg)

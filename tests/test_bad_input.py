@@ -694,7 +694,7 @@ def test_ranks_wait_for_a_checkpoint_longer_than_the_step_timeout(tmp_path):
     # The step collectives' timeout: far above the ranks' start-up skew (about a
     # second, several on a loaded 2-core machine, where the 6 s this was left little room);
     # rank 0's checkpoint takes 5 s longer than it, which the checkpoint group outwaits.
-    timeout = 20
+    timeout = 12
     cfg = config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__max_steps=8,
                  trainer__dist_timeout=timeout, trainer__checkpoint_dir=str(tmp_path / "ck"),
                  placement__kind="lookahead", placement__cache_rows=800)

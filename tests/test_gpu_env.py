@@ -17,17 +17,18 @@ import pytest
 import torch
 
 import bench.gpu_env as gpu_env
+from test_gpu_check import assert_every_stage_passed
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_the_check(tmp_path):
+def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_every_stage(tmp_path):
     venv, out = tmp_path / "venv-gpu", tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MAKE"))}
     env["PIP_INDEX_URL"] = "http://127.0.0.1:9/none"  # stripped by gpu_env; were it used, pip would fail
     command = ["make", "-s", "gpu-check-dry", f"PYTHON={sys.executable}", f"GPU_VENV={venv}",
                f"WHEELS={tmp_path / 'no-wheels'}",
-               f"ARGS=--stages data --out {out} --cache-dir {tmp_path / 'cache'}"]
+               f"ARGS=--out {out} --cache-dir {tmp_path / 'cache'}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"gpu-env: torch {torch.__version__}" in done.stdout and "ok (needs >= 2.11)" in done.stdout
@@ -38,8 +39,7 @@ def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_the_chec
     assert Path(probe.stdout.strip()).resolve() == Path(torch.__file__).resolve()
     stamp = json.loads((venv / gpu_env.STAMP).read_text())
     assert stamp["torch"] == torch.__version__ and stamp["python"] == str(Path(sys.executable).absolute())
-    report = json.loads((out / "gpu_check.json").read_text())
-    assert report["dry"] and report["ok"] and [st["name"] for st in report["stages"]] == ["data"]
+    report = assert_every_stage_passed(out)  # the whole dry check, every stage on CPU
     assert report["python"] == str(venv / "bin" / "python")  # the check ran in the new venv
     again = subprocess.run(command[:2] + ["gpu-env", *command[3:6]], capture_output=True, text=True, cwd=ROOT,
                            env=env)

@@ -21,7 +21,7 @@ mapping of raw values to ids, so it scores raw Criteo fields. Two formats:
 `load_scorer` loads either (BENCHMARKS.md, "Export: seconds to load"):
 
     from recsys_cli.export import load_scorer
-    model = load_scorer("model-int8.scorer.pt")  # or a .pt2
+    model = load_scorer("model-int8.scorer.pt")  # a .pt2: load_scorer(path, trust_program=True)
     p = model(dense, categorical)  # [B] click probabilities
     # dense: int64 [B, 13], I1..I13 as written (missing -> 0)
     # categorical: int64 [B, 26], C1..C26 as the uint32 their 8 hex digits spell (missing -> -1)
@@ -415,17 +415,23 @@ def _read_scorer(path: Path) -> dict:
     return record
 
 
-def load_scorer(path: str | Path) -> nn.Module:
+def load_scorer(path: str | Path, *, trust_program: bool = False) -> nn.Module:
     """An artifact of either format as a module: `load_scorer(path)(dense,
-    categorical)` -> click probabilities [B]. A .pt2 goes through
-    torch.export.load(path).module(); format=module rebuilds ScoringModule
-    (this file's RawIds, inference.py's InferenceTables, the DLRM) from its
-    record, without importing torch.export's reader. Damaged or foreign
-    files: a one-line UserError naming the file. A .pt2 must be trusted
-    (torch.export.load runs code it holds; see above); a format=module file
-    that holds anything but plain data is refused (safe_load.UnsafeFile)."""
+    categorical)` -> click probabilities [B]. format=module rebuilds
+    ScoringModule (this file's RawIds, inference.py's InferenceTables, the
+    DLRM) from its record, without importing torch.export's reader; one that
+    holds anything but plain data is refused (safe_load.UnsafeFile). A .pt2
+    is a program: torch.export.load runs code it holds (see above), so it is
+    loaded (torch.export.load(path).module()) only with trust_program=True,
+    the caller's word that the file comes from someone they trust; without
+    it, a one-line UserError. Damaged or foreign files: a one-line UserError
+    naming the file."""
     path = Path(path).expanduser()
     if artifact_format(path) == "pt2":
+        if not trust_program:
+            raise UserError(f"{path} is a torch.export program, whose loading runs code it holds: "
+                            "load_scorer(path, trust_program=True) for a file you trust, or export it "
+                            "with format=module (plain data)")
         try:
             return torch.export.load(path).module()
         except Exception as e:

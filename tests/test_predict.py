@@ -357,7 +357,7 @@ def test_module_format_scores_like_the_pt2(trained, tmp_path, one_compute_thread
         p = scorer(dense, ids)
         assert p.dtype == torch.float32 and not p.requires_grad
         assert torch.equal(p, program)
-        assert torch.equal(load_scorer(pt2)(dense, ids), program)
+        assert torch.equal(load_scorer(pt2, trust_program=True)(dense, ids), program)
         assert load_metadata(mod) == load_metadata(pt2)
         if precision == "fp32":
             assert torch.equal(p, torch.sigmoid(trained["logits"]))
@@ -409,12 +409,15 @@ def test_damaged_artifact_is_one_line(trained, tmp_path):
     for name, data in cases.items():
         bad = tmp_path / name
         bad.write_bytes(data)
-        for read in (load_scorer, load_metadata):
+        for read in (lambda f: load_scorer(f, trust_program=True), load_metadata):
             with pytest.raises(UserError) as e:
                 read(bad)
             assert str(bad) in str(e.value) and len(str(e.value).splitlines()) == 1, (name, str(e.value))
     with pytest.raises(UserError, match="does not exist"):
         load_scorer(tmp_path / "missing.pt2")
+    # A .pt2 runs code it holds when loaded: only on the caller's word.
+    with pytest.raises(UserError, match=f"^{pt2} is a torch.export program, whose loading runs code it holds"):
+        load_scorer(pt2)
 
 
 @pytest.mark.parametrize("placement,precision,interaction", [("lookahead", "int8", "dot"), ("uvm", "fp16", "dot"),

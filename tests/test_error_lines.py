@@ -46,17 +46,23 @@ def test_error_and_warning_lines_hold_brackets(text, capsys):
     assert capsys.readouterr().err == f"warning: {text}\n"
 
 
-def test_a_failed_rank_with_gloos_message_is_printed_by_the_launcher(monkeypatch, capsys, tmp_path):
-    """`recsys train trainer.nproc=N` printed a failed rank's error with markup on."""
+def launcher_exit(monkeypatch, tmp_path, failure: WorkerFailed) -> int:
+    """`recsys train trainer.nproc=N`'s launcher when a worker fails with `failure`: its exit status."""
     def failed(*args, **kwargs):
-        raise WorkerFailed(1, 4321, 1, f"RuntimeError: {GLOO}", user_error=True)
+        raise failure
 
     monkeypatch.setattr(distributed_app, "launch", failed)
     monkeypatch.setattr("recsys_cli.config.validate", lambda cfg: None)
     monkeypatch.setattr("recsys_cli.train.training_data.resolve_dataset", lambda dataset: None)
     with pytest.raises(SystemExit) as exited:
         distributed_app.train_app(OmegaConf.structured(TrainConfig), tmp_path)
-    assert exited.value.code == 2
+    return exited.value.code
+
+
+def test_a_failed_rank_with_gloos_message_is_printed_by_the_launcher(monkeypatch, capsys, tmp_path):
+    """`recsys train trainer.nproc=N` printed a failed rank's error with markup on."""
+    failure = WorkerFailed(1, 4321, 1, f"RuntimeError: {GLOO}", user_error=True)
+    assert launcher_exit(monkeypatch, tmp_path, failure) == 2
     err = capsys.readouterr().err
     assert err == f"error: rank 1 (pid 4321) failed: RuntimeError: {GLOO}; the other ranks were stopped\n"
 
@@ -132,15 +138,7 @@ def test_a_peer_timeout_names_the_ranks_that_did_not_answer(monkeypatch):
 
 def test_a_hung_peer_is_one_line_without_the_traceback_exit_1(monkeypatch, capsys, tmp_path):
     message = "rank 0 waited 10 s (trainer.dist_timeout) in a collective for rank 1, which did not answer"
-
-    def failed(*args, **kwargs):
-        raise WorkerFailed(0, 4321, 1, message, traceback=f"Traceback (most recent call last):\n  {GLOO}",
+    failure = WorkerFailed(0, 4321, 1, message, traceback=f"Traceback (most recent call last):\n  {GLOO}",
                            one_line=True)
-
-    monkeypatch.setattr(distributed_app, "launch", failed)
-    monkeypatch.setattr("recsys_cli.config.validate", lambda cfg: None)
-    monkeypatch.setattr("recsys_cli.train.training_data.resolve_dataset", lambda dataset: None)
-    with pytest.raises(SystemExit) as exited:
-        distributed_app.train_app(OmegaConf.structured(TrainConfig), tmp_path)
-    assert exited.value.code == 1
+    assert launcher_exit(monkeypatch, tmp_path, failure) == 1
     assert capsys.readouterr().err == f"error: rank 0 (pid 4321) failed: {message}; the other ranks were stopped\n"

@@ -34,7 +34,9 @@ class Choice(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
     __repr__ = str.__repr__
 
 
@@ -439,8 +441,8 @@ def validate(cfg: Any) -> None:
     for name, kind in cfg.placement.overrides.items():
         if kind not in PLACEMENTS[:-1]:
             raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
-    for key, allowed in RANGES.items():
-        allowed.check(key, _get(cfg, key))
+    for key, limits in RANGES.items():
+        limits.check(key, _get(cfg, key))
     validate_synthetic(cfg.dataset.synthetic)  # dataset.synthetic.*, before any work (also checked when generating)
     opt = cfg.optimizer
     if opt.decay_start_step is not None and opt.decay_start_step < opt.warmup_steps:

@@ -44,6 +44,8 @@ class HostEvent:
 
     def elapsed_time(self, end: "HostEvent") -> float:
         """Milliseconds from this event to `end`, as CUDA events report it."""
+        if self.time is None or end.time is None:  # as torch.cuda.Event refuses it
+            raise RuntimeError("elapsed_time between events not both recorded")
         return (end.time - self.time) * 1000.0
 
 

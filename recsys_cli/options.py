@@ -8,11 +8,15 @@ a UserError naming the key, before any work.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from recsys_cli.errors import UserError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a schema: a dataclass
+V = TypeVar("V")
 
 
 def field_help(schema: type) -> dict[str, str]:
@@ -162,7 +166,7 @@ def parse_options(schema: type[T], overrides: list[str], command: str) -> T:
     return obj
 
 
-def require(value: Any, key: str, command: str, example: str) -> Any:
+def require(value: V | None, key: str, command: str, example: str) -> V:
     if value in (None, ""):
         raise UserError(f"`recsys {command}` needs {key}= ({example})")
     return value

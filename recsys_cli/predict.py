@@ -272,22 +272,21 @@ def predict(cfg: PredictConfig, console=None) -> dict:
     from rich.console import Console
 
     console = console or Console(stderr=True, highlight=False)
-    require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
+    checkpoint = require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
-    require(cfg.output, "output", "predict", "a CSV file to write")
-    output = Path(cfg.output).expanduser()
+    output = Path(require(cfg.output, "output", "predict", "a CSV file to write")).expanduser()
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")
     # One writer per output (locks.py), and an unwritable place said before the model loads.
     with locked_output(output, "output", "predict"):
-        return _predict(cfg, output, console)
+        return _predict(cfg, checkpoint, output, console)
 
 
-def _predict(cfg: PredictConfig, output: Path, console) -> dict:
+def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict:
     from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
-    loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
+    loaded = load_model(checkpoint, cfg.device, cfg.precision)
     batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")

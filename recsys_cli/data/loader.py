@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -173,12 +173,14 @@ class ShardLoader:
         dense = cat([c.dense[a:b] for c, a, b in pieces], np.zeros((0, dense_dim), np.float32))
         session = None
         if self._session_col:
-            session = torch.from_numpy(cat([c.session[a:b] for c, a, b in pieces], np.zeros(0, np.int64)))
+            sessions = [cast(np.ndarray, c.session)[a:b] for c, a, b in pieces]  # every chunk has one here
+            session = torch.from_numpy(cat(sessions, np.zeros(0, np.int64)))
         B = len(labels)
         F = len(self.features)
         if self.dedup:
-            sparse = dedup_batch(pieces, self.features, self._multi_keys, self._onehot_keys, B)
-            return Batch(dense=torch.from_numpy(dense), sparse=sparse, labels=torch.from_numpy(labels), session=session)
+            deduplicated = dedup_batch(pieces, self.features, self._multi_keys, self._onehot_keys, B)
+            return Batch(dense=torch.from_numpy(dense), sparse=deduplicated, labels=torch.from_numpy(labels),
+                         session=session)
         if not self._multi_keys:
             if len(pieces) == 1:
                 c, a, b = pieces[0]

@@ -94,8 +94,8 @@ class DiskTableSnapshot:
     def __init__(self, store, table: int, patch) -> None:
         self.store, self.table, self.patch_of = store, table, patch
         self.spec: TableSpec = store.tables[table]
-        self._chain = None
-        self._patched_ids = None
+        self._chain: dict | None = None  # the chain this snapshot's files extend (save_files)
+        self._patched_ids: torch.Tensor | None = None
 
     def save_files(self, directory: Path, step: int) -> dict:
         store, spec = self.store, self.spec

@@ -144,14 +144,13 @@ class LookupPlan:
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LookupPlan":
         """The plan with fn applied to the tensors the step reads on the device."""
-        move = lambda t: None if t is None else fn(t)  # noqa: E731
         return LookupPlan(
             unique=self.unique,
-            inverse=move(self.inverse),
-            offsets=move(self.offsets),
-            bag_of_id=move(self.bag_of_id),
+            inverse=fn(self.inverse),
+            offsets=fn(self.offsets),
+            bag_of_id=fn(self.bag_of_id),
             num_features=self.num_features,
-            bag_inverse=move(self.bag_inverse),
+            bag_inverse=None if self.bag_inverse is None else fn(self.bag_inverse),
             row_grad=None if self.row_grad is None else self.row_grad.apply(fn),
             bag_grad=None if self.bag_grad is None else self.bag_grad.apply(fn),
             unique_device=self.unique_device,

@@ -131,10 +131,12 @@ class Prefetcher:
                 if self._stop.is_set() or not self._wait_pause(self._step):
                     return
                 prepared = []
+                plans = batch.plans
+                assert plans is not None, "the loader's transform plans every batch (plan_batch)"
                 try:
                     for index, group in self.indexed_groups:
-                        yield from self._prepare(group, batch.plans[index])
-                        prepared.append((group, batch.plans[index]))
+                        yield from self._prepare(group, plans[index])
+                        prepared.append((group, plans[index]))
                 except BaseException:
                     for group, plan in prepared:
                         group.release(plan)

@@ -126,7 +126,7 @@ class SlotIndex:
             ended, first = self._first((seen == want) | (seen == EMPTY))  # an empty bucket ends the chain; a tombstone does not
             end = (pos + first) % self.num_buckets
             result = torch.where(self.keys.index_select(0, end) == want, end, -1)
-            if found is None:
+            if found is None or at is None:  # the first round (both are set after it)
                 found = result
             else:
                 found.index_copy_(0, at, result)

@@ -227,7 +227,7 @@ def _cache_figure(runs: list[Run]):
         _run_ticks(ax, xs, [r.label for r in runs])
         ax.set_xlabel("run with a cache")
         ax.set_ylabel("ms per training step")
-        windows = sorted({r.window for r in lookahead})
+        windows = sorted({r.window for r in lookahead if r.window is not None})
         same = [f"window {windows[0]}"] if len(windows) == 1 else []
         present = sorted({v for v in sizes if v is not None})
         if len(present) == 1:

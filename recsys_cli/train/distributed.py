@@ -230,8 +230,8 @@ def all_gather_split(parts: list[torch.Tensor], group=None) -> list[list[torch.T
     lengths = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64, device=device)
     all_lengths = [torch.empty_like(lengths) for _ in range(world)]
     dist.all_gather(all_lengths, lengths, group=group)
-    all_lengths = [lens.tolist() for lens in all_lengths]
-    longest = max(sum(lens) for lens in all_lengths)
+    lengths_of = [lens.tolist() for lens in all_lengths]  # rank -> its parts' lengths
+    longest = max(sum(lens) for lens in lengths_of)
     flat = torch.cat([p.to(device) for p in parts]) if parts else source.new_zeros(0)
     if longest == 0:
         return [[flat[:0].to(source.device) for _ in parts] for _ in range(world)]
@@ -240,7 +240,7 @@ def all_gather_split(parts: list[torch.Tensor], group=None) -> list[list[torch.T
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)
     out = []
-    for buf, lens in zip(gathered, all_lengths):
+    for buf, lens in zip(gathered, lengths_of):
         out.append([c.to(source.device) for c in torch.split(buf[: sum(lens)], lens)])
     return out
 

@@ -102,8 +102,10 @@ def train_app(cfg, run_dir: Path) -> float | None:
         # A user error is caught inside `record`: it writes the error file
         # that torchrun's failure report prints, and it must hold no traceback
         # for an error the rank has already said in one line.
-        summary, user_error = record(_train_or_user_error)(cfg, run_dir)
-        if user_error is not None:
+        outcome = record(_train_or_user_error)(cfg, run_dir)
+        assert outcome is not None  # record gives the function's result, or raises
+        summary, user_error = outcome
+        if summary is None:  # train raised a user's error (or a peer's timeout): user_error
             error_line(f"rank {rank}: {user_error}")
             sys.exit(2 if isinstance(user_error, UserError) else 1)
         val = summary["final"].get("val")

@@ -71,7 +71,7 @@ class TensorBoardLog(MetricsLog):
 def make_log(kind: str, run_dir: Path | None, is_main: bool = True) -> MetricsLog:
     path = run_dir / "metrics.jsonl" if run_dir and is_main else None
     if kind == "tensorboard":
-        if path is None:  # no run directory (or not rank 0): nothing is written, but check it would work
+        if path is None or run_dir is None:  # no run directory (or not rank 0): nothing is written, but check it would work
             summary_writer_class()
             return MetricsLog(None)
         return TensorBoardLog(path, run_dir / "tensorboard")

@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -188,7 +188,7 @@ class PhaseTimer:
 
         self.runtime = runtime or runtime_for(device)
         self._seconds: dict[str, float] = defaultdict(float)
-        self._pending: list[tuple[str, object, object]] = []
+        self._pending: list[tuple[str, Any, Any]] = []  # (phase, start, end): the runtime's events
 
     @contextmanager
     def phase(self, name: str):
@@ -237,7 +237,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         line = json.dumps(_plain(record)) + "\n"
         self.lines.append(line)
-        if self._fd is None:
+        if self._fd is None or self.path is None:  # both or neither
             return
         size = os.fstat(self._fd).st_size
         try:

@@ -17,6 +17,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 # 128 + SIGTERM, the shell's status of a process SIGTERM ended: not 0 (the run
 # did not finish), not 1 (no bug) nor 2 (no user error); schedulers that requeue
@@ -38,7 +41,7 @@ class SigtermFlag:
     def __init__(self) -> None:
         self.requested = False
         self._first: float | None = None
-        self._previous = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None  # what signal.signal returns
         self._installed = False
 
     def _handle(self, signum, frame) -> None:

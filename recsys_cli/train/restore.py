@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -45,13 +46,27 @@ class Resumed:
     strategy: dict | None = None  # the saving run's Strategy.state_dict() (None: a checkpoint older than that)
 
 
+class Tables(Protocol):
+    """What a checkpoint's tables and caches load into: the trainer's
+    EmbeddingBagCollection or ShardedEmbeddingBagCollection."""
+
+    @property
+    def shard_plan(self) -> ShardPlan | None: ...
+
+    def tables_with_restored_caches(self, saved: list | None) -> set[str]: ...
+
+    def load_table_state(self, tables: dict[str, dict]) -> None: ...
+
+    def load_cache_snapshot(self, saved: list | None, step: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class Restorable:
     """What a checkpoint loads into: the modules the Trainer built."""
 
     model: torch.nn.Module
     dense_optimizer: torch.optim.Optimizer
-    embeddings: object  # the ShardedEmbeddings (model.embeddings)
+    embeddings: Tables  # model.embeddings
 
 
 def resume_path(resume: str, checkpoint_dir: Path | None, run_dir: Path | None) -> Path:
@@ -87,7 +102,7 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     if sharded:
         state["tables"], state["caches"] = own_rows(into.embeddings, state["tables"])
     if "config" in state:
-        check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
+        check_resumable(path, state["config"], cast(dict, OmegaConf.to_container(cfg, resolve=True)))
     expected = feature_sizes(data)
     if state["features"] != expected:
         raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")

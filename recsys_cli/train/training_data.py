@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from omegaconf import OmegaConf
 
@@ -29,7 +30,7 @@ def resolve_dataset(dataset) -> Path:
         raise UserError(f"dataset {dataset.name} needs dataset.path=DIR (a `recsys preprocess` output)")
     from data_tools.synthetic import SyntheticConfig, default_dataset
 
-    synthetic = SyntheticConfig(**OmegaConf.to_container(dataset.synthetic, resolve=True))
+    synthetic = SyntheticConfig(**cast(dict, OmegaConf.to_container(dataset.synthetic, resolve=True)))
     return default_dataset(synthetic, Path(dataset.cache_dir).expanduser() if dataset.cache_dir else None)
 
 

@@ -36,11 +36,13 @@ def union_plan(batch: Batch, group, pin=None) -> Batch:
     """Replace every plan's unique ids by their union over the ranks (sorted)
     and remap the inverse index; `pin` (CUDA: the runtime's) pins the new
     tensors as the loader pinned the old ones, so their copies stay asynchronous."""
-    per_rank = all_gather_split([p.unique for p in batch.plans], group)
-    for g, plan in enumerate(batch.plans):
+    plans = batch.plans
+    assert plans is not None, "the loader's transform plans every batch (plan_batch)"
+    per_rank = all_gather_split([p.unique for p in plans], group)
+    for g, plan in enumerate(plans):
         plan.widen(torch.unique(torch.cat([parts[g] for parts in per_rank]), sorted=True))
     if pin is not None:
-        batch.plans = [plan.pin_memory(pin) for plan in batch.plans]
+        batch.plans = [plan.pin_memory(pin) for plan in plans]
     return batch
 
 
@@ -69,6 +71,8 @@ class UnionAhead:
         return self
 
     def __iter__(self) -> Iterator[Batch]:
+        if self._thread is None:
+            raise RuntimeError("UnionAhead is iterated inside its with block (which starts its thread)")
         return iter(self._thread)
 
     def passed(self, step: int) -> None:
@@ -76,4 +80,5 @@ class UnionAhead:
 
     def __exit__(self, exc_type, *exc) -> None:
         # After an error a peer process may never answer the thread's all-gather.
-        self._thread.close(timeout=30 if exc_type is None else 2)
+        if self._thread is not None:
+            self._thread.close(timeout=30 if exc_type is None else 2)

@@ -178,7 +178,8 @@ def test_protection_equals_the_union_of_each_window():
     count of resident ones; its scratch is left as it found it."""
     from collections import deque
 
-    from recsys_cli.embeddings.cache import _UNSET, _Protection
+    from recsys_cli.embeddings.window_protection import UNSET as _UNSET
+    from recsys_cli.embeddings.window_protection import WindowProtection as _Protection
 
     gen = torch.Generator().manual_seed(3)
     capacity, index = 500, 40
@@ -232,10 +233,10 @@ def test_shrinking_window_merges_the_history_once():
 
 
 def test_the_placement_searchs_index_bytes_are_what_a_lookahead_cache_holds():
-    """The placement search's host bytes per slot for a cache's index (placement_search.py)
+    """The placement search's host bytes per slot for a cache's index (placement_bytes.py)
     equal what a lookahead cache reports in memory(), so a new per-slot
     tensor (the room search's scratch) cannot leave the placements short."""
-    from recsys_cli.embeddings.placement_search import cache_index_bytes
+    from recsys_cli.embeddings.placement_bytes import cache_index_bytes
 
     group = _group("lru", lookahead=True, precision="fp32")
     index_bytes = [n for tier, what, n in group.memory() if what == "index"]

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
-from recsys_cli.embeddings.placement_search import allocator_reserve, device_row_bytes, place_tables
+from recsys_cli.embeddings.placement_bytes import allocator_reserve, device_row_bytes
+from recsys_cli.embeddings.placement_search import place_tables
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 

@@ -14,17 +14,9 @@ from recsys_cli.config import PlacementConfig, PrecisionConfig
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import build_embeddings
-from recsys_cli.embeddings.placement_search import (
-    TablePlacements,
-    allocator_block_bytes,
-    allocator_reserve,
-    device_row_bytes,
-    measure_access,
-    measure_skew,
-    parse_bytes,
-    place_tables,
-    rows_covering,
-)
+from recsys_cli.embeddings.access_profile import measure_access, measure_skew, rows_covering
+from recsys_cli.embeddings.placement_bytes import allocator_block_bytes, allocator_reserve, device_row_bytes, parse_bytes
+from recsys_cli.embeddings.placement_search import TablePlacements, place_tables
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 from devices import fresh_cuda_block

@@ -104,7 +104,8 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
 def test_placement_table_fits_80_columns_and_keeps_each_reason_whole():
     from rich.console import Console
 
-    from recsys_cli.embeddings.placement_search import parse_bytes, place_tables
+    from recsys_cli.embeddings.placement_bytes import parse_bytes
+    from recsys_cli.embeddings.placement_search import place_tables
     from recsys_cli.embeddings.table_init import TableSpec
 
     tables = [TableSpec("a", 1000, 16), TableSpec("b", 10_000_000, 64)]

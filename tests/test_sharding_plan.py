@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from data_tools.synthetic import KAGGLE_CARDINALITIES
-from recsys_cli.embeddings.placement_search import device_row_bytes, host_row_bytes
+from recsys_cli.embeddings.placement_bytes import device_row_bytes, host_row_bytes
 from recsys_cli.embeddings.sharding import (
     AUTO_GOAL,
     Shard,

@@ -229,7 +229,7 @@ def allocated_by_fake_cuda(runtime, build):
 
 @pytest.mark.parametrize("budget", ["48KiB", "300KiB", "64MiB"])
 def test_auto_placement_stays_within_the_budget(cache_dir, tmp_path, budget, monkeypatch):
-    from recsys_cli.embeddings.placement_search import parse_bytes
+    from recsys_cli.embeddings.placement_bytes import parse_bytes
 
     if TEST_DEVICE.type == "cpu":  # the trainer's budget check sees the CUDA allocator's rounding
         monkeypatch.setattr("recsys_cli.train.trainer.allocated_by", allocated_by_fake_cuda)

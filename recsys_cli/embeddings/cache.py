@@ -121,6 +121,7 @@ from recsys_cli.embeddings.plan import Fill, LookupPlan, RowSources
 from recsys_cli.embeddings.slot_index import SlotIndex, key_dtype
 from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
+from recsys_cli.embeddings.window_protection import UNSET, WindowProtection
 from recsys_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -159,63 +160,7 @@ def _weak(method):
     return lambda slots: ref()(slots)
 
 
-_UNSET = torch.iinfo(torch.int32).max
 _INT32_MAX = torch.iinfo(torch.int32).max
-
-
-class _Protection:
-    """The slots of a batch's hits and of the batches in `history`, each with
-    the latest batch that holds it (its hits: the batch itself). The slots a
-    window starting at batch `first` protects are those held at or after
-    `first`: as a set, torch.unique of the window's slots (in no particular
-    order: they only mark slots in the victim search).
-
-    Without a sort (a sort of the window's few thousand entries cost most of
-    a prepare's room search): every entry's age = index - holder is
-    min-scattered into `scratch` (one int32 per cache slot, _UNSET between
-    calls, reset here at the entries touched), and the entries that find
-    their own age there hold their slot latest; of those, the first position
-    per slot is kept by a second min-scatter over the few that remain. That
-    is the entry with the least (age, position), as one scatter of the int64
-    code (age << 32) | position chose before, at half the scratch (issue 27
-    item 9; ages are below 2**31: at most the batches in the history).
-    Resident slots are counted by age, so a window's count is a prefix sum."""
-
-    def __init__(self, index: int, hits: torch.Tensor, history, row_of_slot: torch.Tensor,
-                 scratch: torch.Tensor | None = None) -> None:
-        scratch = torch.full(row_of_slot.shape, _UNSET, dtype=torch.int32) if scratch is None else scratch
-        slots = torch.cat([hits, *(slots for _, slots, _ in history)])
-        age = torch.cat([torch.zeros(hits.numel(), dtype=torch.int32),
-                         *(torch.full((held.numel(),), index - batch, dtype=torch.int32) for batch, held, _ in history)])
-        latest_at = self._least(scratch, slots, age)
-        first = self._least(scratch, slots.index_select(0, latest_at), torch.arange(latest_at.numel(), dtype=torch.int32))
-        latest_at = latest_at.index_select(0, first)
-        self.index = index
-        self.slots = slots.index_select(0, latest_at)
-        age = age.index_select(0, latest_at).to(torch.int64)
-        self.latest = index - age
-        # resident_within[a]: resident slots whose latest holder is at most a batches old.
-        oldest = history[0][0] if history else index
-        self.resident_within = torch.bincount(age[row_of_slot[self.slots] >= 0], minlength=index - oldest + 1).cumsum(0)
-
-    @staticmethod
-    def _least(scratch: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Positions of the entries whose int32 value is the least of their
-        slot's (ties: all of them), through `scratch`, left all _UNSET again."""
-        scratch.scatter_reduce_(0, slots, values, "amin")
-        least = torch.nonzero(scratch.index_select(0, slots) == values).flatten()
-        scratch.index_fill_(0, slots, _UNSET)
-        return least
-
-    def slots_from(self, first: int) -> torch.Tensor:
-        return self.slots[self.latest >= first]
-
-    def resident_from(self, first: int) -> int:
-        """How many of slots_from(first) hold a row."""
-        age = self.index - first
-        if age < 0:
-            return 0
-        return int(self.resident_within[min(age, self.resident_within.numel() - 1)])
 
 
 def cache_slots(num_rows: int, cache_rows: int | None, cache_ratio: float) -> int:
@@ -258,7 +203,7 @@ class CachedGroup(TableGroup):
         # lru: the clock of the last use; lfu: uses. Both are at most the
         # clock, so int32 until the clock passes 2**31 - 1 (_tick widens it then).
         self.score = torch.zeros(cache_slots, dtype=torch.int32)
-        self._protection_scratch = torch.full((cache_slots,), _UNSET, dtype=torch.int32)  # _Protection's, between calls all _UNSET
+        self._protection_scratch = torch.full((cache_slots,), UNSET, dtype=torch.int32)  # WindowProtection's, between calls all UNSET
         # A stack of free slots: the top `num_free` entries.
         self.free_slots = torch.arange(cache_slots - 1, -1, -1, dtype=torch.int32)
         self.num_free = cache_slots
@@ -565,11 +510,11 @@ class CachedGroup(TableGroup):
         with a hold the first batch it holds."""
         return position if self.row_hold is None else self.row_hold.first_held(position)
 
-    def _protection(self, index: int, hits: torch.Tensor) -> "_Protection":
+    def _protection(self, index: int, hits: torch.Tensor) -> WindowProtection:
         """What batch `index` may not evict, for every window at once."""
-        return _Protection(index, hits, self.history, self.row_of_slot, self._protection_scratch)
+        return WindowProtection(index, hits, self.history, self.row_of_slot, self._protection_scratch)
 
-    def _protected(self, protection: "_Protection", index: int, window: int) -> tuple[torch.Tensor, int]:
+    def _protected(self, protection: WindowProtection, index: int, window: int) -> tuple[torch.Tensor, int]:
         """(slots batch `index`, prepared with `window`, may not evict: those
         of the protected batches and its own hits, in no particular order; how many resident
         slots it may evict), from the batches in the window and the counters,

@@ -32,7 +32,9 @@ from recsys_cli.device import runtime_for
 from recsys_cli.embeddings.cache_size import cache_size
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
-from recsys_cli.embeddings.placement_search import TablePlacements, measure_access, parse_bytes, place_tables
+from recsys_cli.embeddings.access_profile import measure_access
+from recsys_cli.embeddings.placement_bytes import parse_bytes
+from recsys_cli.embeddings.placement_search import TablePlacements, place_tables
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
 from recsys_cli.embeddings.tables import DirectGroup

@@ -1,30 +1,21 @@
 """The automatic placement search: `placement=auto placement.device_memory_budget=64MiB`.
 
-Pure functions; placement.py and the trainer wire them in.
+Pure functions; placement.py and the trainer wire them in. What it
+decides from: how often each row is read in a sample (access_profile.py:
+measure_access, measure_skew) and what each placement costs in bytes
+(placement_bytes.py, which parse_bytes reads a budget for).
 
-  parse_bytes      "64MiB" -> 67108864
-  measure_access   one pass over a sample of batches: per table, how often
-                   each row is read and the most unique rows one batch needs
-  measure_skew     per table, the hottest rows that serve target_hit_rate of
-                   the accesses
-  place_tables   per table, `device` (the whole fp32 table on the device) or
+  place_tables     per table, `device` (the whole fp32 table on the device) or
                    `lookahead` (the table in host memory, in the run's
                    precision, behind an fp32 device cache of `cache_rows`
                    slots), never using more device bytes than the budget;
                    with a host budget, `disk` for the largest, coldest
                    lookahead tables until the host bytes fit it.
 
-The byte counts follow what the groups really allocate (see
-TableGroup.memory and CachedGroup.memory): a device table is rows x (dim +
-state) fp32 values; a cache is slots x (dim + state) fp32 values on the
-device, and its index (row-to-slot map, slot maps, pins, dirty bits, victim
-scores, LFU use counts) lives in host memory. On CUDA the budget holds the
-allocator's bytes, not the tensors': the caching allocator counts each
-tensor as a block rounded up to 512 bytes (and a block over 1 MiB may keep up
-to 1 MiB more of its segment unsplit), so the placement fills the budget less
-that rounding for every device tensor the build allocates
-(device_allocations, allocator_block_bytes), and a placement the allocator counts
-over the budget is never made.
+On CUDA the budget holds the allocator's bytes, not the tensors'
+(placement_bytes.py), so the placement fills the budget less that rounding
+for every device tensor the build allocates, and a placement the allocator
+counts over the budget is never made.
 
 How place_tables decides (Acun et al.: placement decides throughput):
   1. Everything fits on the device: everything goes there.
@@ -54,221 +45,13 @@ How place_tables decides (Acun et al.: placement decides throughput):
 
 from __future__ import annotations
 
-import math
-import re
-from fractions import Fraction
 from dataclasses import dataclass, field
-from typing import Iterable
 
-import numpy as np
-
-from recsys_cli.embeddings.slot_index import index_bytes as slot_map_bytes
-from recsys_cli.embeddings.slot_index import key_bytes
+from recsys_cli.embeddings.placement_bytes import (BUDGET_KEY, PRECISIONS, allocated_device_bytes, allocator_reserve,
+                                                   device_allocations, device_row_bytes, format_count, table_footprint)
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
-
-BUDGET_KEY = "placement.device_memory_budget"
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-# Host bytes of a cache's index (CachedGroup), all per slot (a lookahead
-# cache has no LFU admission, so no per-row row_uses): the slot index (a hash
-# map sized to the cache), row_of_slot (the slot index's key dtype: int32
-# below 2**31 rows), dirty (bool), score (int32), free_slots (int32), the
-# room search's scratch (int32, _Protection), the victim order's scratch
-# (6 bytes, slot_order.py). Not planned: the victim order's entries (none
-# when the cache is built, at most 8 bytes a slot and a batch later) and
-# debug runs' pins (int32).
-INDEX_BYTES_PER_ROW = 0
-SLOT_METADATA_BYTES = 1 + 4 + 4 + 4 + 6
-
-
-def cache_index_bytes(slots: int, num_rows: int) -> int:
-    """A cache index's host bytes: `slots` slots in front of a table of
-    `num_rows` rows (int32 keys and rows below 2**31 rows)."""
-    return slot_index_bytes(slots, num_rows) + slots * (key_bytes(num_rows - 1) + SLOT_METADATA_BYTES)
-# Per host-cache slot of a disk store (disk_store.py): its row (int64), dirty bit, LRU score (int64).
-HOST_CACHE_BYTES_PER_SLOT = 8 + 1 + 8
-
-
-# --- sizes ------------------------------------------------------------------------
-def parse_bytes(text: str | int, key: str = BUDGET_KEY) -> int:
-    """A byte count from "1048576", "500MB" (10^6), "64MiB" (2^20), "2GiB", "1.5GB".
-
-    Units are case-insensitive; KB/MB/GB/TB are decimal, KiB/MiB/GiB/TiB binary.
-    Bad text raises UserError naming `key`."""
-    if isinstance(text, bool):
-        raise UserError(f"{key}={text!r} is not a size")
-    if isinstance(text, int):
-        if text < 0:
-            raise UserError(f"{key}={text} is negative")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise UserError(
-            f"{key}={text!r} is not a size: write bytes (1048576) or a number with a unit "
-            "(500MB, 64MiB, 2GiB; KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_count(n: int) -> str:
-    """10.1M, 25.0K, 999."""
-    for div, suffix in ((10**9, "G"), (10**6, "M"), (10**3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(n)
-
-
-def host_row_bytes(dim: int, precision: str, state: int = 0) -> int:
-    """Bytes of one row in a RowStore of `precision` (quant.py), optimizer state included."""
-    if precision == "fp32":
-        values = dim * 4
-    elif precision == "fp16":
-        values = dim * 2
-    elif precision == "int8":
-        values = dim + 4  # uint8 codes, fp16 scale and bias
-    elif precision == "int4":
-        values = (dim + 1) // 2 + 4
-    else:
-        raise UserError(f"precision.kind={precision!r} is not one of {', '.join(PRECISIONS)}")
-    return values + state * 4
-
-
-def device_row_bytes(dim: int, state: int = 0) -> int:
-    """Bytes of one fp32 row and its state: a device table row or a cache slot."""
-    return (dim + state) * 4
-
-
-# The CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block
-# is a multiple of kMinBlockSize; blocks up to kSmallSize come from the small
-# pool and are split to their size, a larger block is split only when more
-# than kSmallSize would remain, so it may hold up to kSmallSize beyond its size.
-CUDA_BLOCK_BYTES = 512
-CUDA_SMALL_BLOCK_BYTES = 1 << 20
-
-
-def allocator_block_bytes(nbytes: int) -> int:
-    """The most device bytes the CUDA caching allocator counts
-    (memory_allocated) for one tensor of `nbytes` bytes."""
-    if nbytes <= 0:
-        return 0
-    block = -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
-    return block if block <= CUDA_SMALL_BLOCK_BYTES else block + CUDA_SMALL_BLOCK_BYTES
-
-
-def device_allocations(tables: list[TableSpec], placements: dict[str, str], cache: dict[str, int],
-                       state: int) -> list[int]:
-    """Bytes of each device tensor build_embeddings allocates for a placement: one
-    fused group per placement kind, each an fp32 rows tensor and an optimizer
-    state tensor (device tables: the tables themselves; lookahead and disk
-    tables: their cache's slots). Empty tensors take no block."""
-    per_kind: dict[str, list[int]] = {}
-    for t in tables:
-        kind = placements[t.name]
-        rows = t.num_rows if kind == "device" else cache[t.name]
-        sizes = per_kind.setdefault(kind, [0, 0])
-        sizes[0] += rows * t.dim * 4
-        sizes[1] += rows * state * 4
-    return [n for sizes in per_kind.values() for n in sizes if n]
-
-
-def allocator_reserve(state: int, large: bool = False) -> int:
-    """The most bytes the CUDA allocator's rounding adds to a split placement's
-    tensors, a rows and a state tensor per placement kind (device, lookahead,
-    disk; counted with or without a host budget, so that giving one does not
-    change the device placement): 511 each, 1 MiB more each if `large` (tensors
-    over 1 MiB)."""
-    tensors = 3 * (2 if state else 1)
-    return tensors * (CUDA_BLOCK_BYTES - 1 + (CUDA_SMALL_BLOCK_BYTES if large else 0))
-
-
-def allocated_device_bytes(allocations: list[int]) -> int:
-    """The most bytes the CUDA allocator counts for these tensors."""
-    return sum(allocator_block_bytes(n) for n in allocations)
-
-
-# --- access skew ---------------------------------------------------------------------
-@dataclass
-class AccessProfile:
-    """Row access counts per table from a sample of batches."""
-
-    counts: dict[str, np.ndarray]  # per table: reads of each row (int64 [num_rows])
-    batch_unique_rows: dict[str, int]  # per table: the most unique rows one batch read
-    batches: int = 0
-
-    @property
-    def reads(self) -> dict[str, int]:
-        """Per table, all reads in the sample (place_tables's `reads`)."""
-        return {name: int(c.sum()) for name, c in self.counts.items()}
-
-    def hot_rows(self, target_hit_rate: float = 0.9) -> dict[str, int]:
-        """Per table, the fewest rows that serve target_hit_rate of its reads."""
-        if not 0 < target_hit_rate <= 1:
-            raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
-        return {name: rows_covering(c, target_hit_rate) for name, c in self.counts.items()}
-
-
-def rows_covering(counts: np.ndarray, fraction: float) -> int:
-    """The fewest rows whose counts add up to at least `fraction` of the total."""
-    total = int(counts.sum())
-    if total == 0:
-        return 0
-    # Exact decimal arithmetic: 0.7 of 10 reads is 7 reads, not 7.000000000000001.
-    need = max(1, math.ceil(Fraction(repr(float(fraction))) * total))
-    nonzero = counts[counts > 0]
-    cumulative = np.cumsum(np.sort(nonzero)[::-1])
-    return int(np.searchsorted(cumulative, need, side="left")) + 1
-
-
-def measure_access(batches: Iterable, features: list[str], vocab_sizes: list[int]) -> AccessProfile:
-    """Count reads per row of each feature's table over `batches`.
-
-    `batches` yields KeyedJaggedTensors (or Batches; deduplicated ones are expanded) with
-    ids local to each feature's table; a key absent from a batch counts as no
-    reads. An id outside its table raises UserError."""
-    if len(features) != len(vocab_sizes):
-        raise ValueError(f"{len(features)} features but {len(vocab_sizes)} vocabulary sizes")
-    counts = {f: np.zeros(n, dtype=np.int64) for f, n in zip(features, vocab_sizes)}
-    unique = {f: 0 for f in features}
-    seen = 0
-    for batch in batches:
-        kjt = getattr(batch, "sparse", batch)
-        if hasattr(kjt, "to_kjt"):  # a deduplicated batch: count every sample's reads
-            kjt = kjt.to_kjt()
-        seen += 1
-        values = kjt.values.detach().cpu().numpy()
-        per_key = kjt.lengths.detach().cpu().view(len(kjt.keys), kjt.stride).sum(1).tolist() if kjt.keys else []
-        start = 0
-        for key, length in zip(kjt.keys, per_key):
-            ids, start = values[start : start + length], start + length
-            if key not in counts or ids.size == 0:
-                continue
-            vocab = counts[key].size
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= vocab:
-                raise UserError(f"feature {key} has id {lo if lo < 0 else hi} outside its table of {vocab:,} rows")
-            counts[key] += np.bincount(ids, minlength=vocab)
-            unique[key] = max(unique[key], int(np.unique(ids).size))
-    return AccessProfile(counts, unique, seen)
-
-
-def measure_skew(
-    batches: Iterable, features: list[str], vocab_sizes: list[int], target_hit_rate: float = 0.9
-) -> dict[str, int]:
-    """Per table, how many of its hottest rows serve target_hit_rate of the reads
-    in `batches` (KeyedJaggedTensors, ids local to each table, key-major)."""
-    if not 0 < target_hit_rate <= 1:
-        raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
-    return measure_access(batches, features, vocab_sizes).hot_rows(target_hit_rate)
 
 
 # --- the result -----------------------------------------------------------------------
@@ -352,25 +135,6 @@ class TablePlacements:
     def why_lines(self) -> list[str]:
         """Why each table went where it did, one line per table (each reason names its table)."""
         return [f"  why {self.reasons[name]}" for name in self.placements if self.reasons.get(name)]
-
-
-def _table_bytes(t: TableSpec, placement: str, cache: int, precision: str, state: int, policy: str,
-                 host_cache_ratio: float = 0.05) -> dict[str, int]:
-    if placement == "device":
-        return {"device": t.num_rows * device_row_bytes(t.dim, state), "host": 0}
-    index = t.num_rows * INDEX_BYTES_PER_ROW + (cache_index_bytes(cache, t.num_rows) if cache else 0)
-    row = host_row_bytes(t.dim, precision, state)
-    if placement == "disk":  # rows in a file; host memory: the host cache, its index, the device cache's index
-        host_rows = int(round(t.num_rows * host_cache_ratio))
-        return {"device": cache * device_row_bytes(t.dim, state),
-                "host": host_rows * (row + HOST_CACHE_BYTES_PER_SLOT) + slot_index_bytes(host_rows, t.num_rows) + index,
-                "disk": t.num_rows * row}
-    return {"device": cache * device_row_bytes(t.dim, state), "host": t.num_rows * row + index}
-
-
-def slot_index_bytes(capacity: int, num_rows: int) -> int:
-    """Bytes of a SlotIndex of `capacity` keys of a table of `num_rows` rows (slot_index.py)."""
-    return slot_map_bytes(max(capacity, 1), num_rows - 1)
 
 
 def place_tables(
@@ -509,7 +273,7 @@ def place_tables(
         reserve = min(most, reserve + allocated - budget_bytes) if attempt < 6 else most
     else:  # a bug, never the user's doing
         raise AssertionError(f"placement may take {allocated} device bytes (allocator blocks) of a {budget_bytes} budget")
-    table_bytes = {t.name: _table_bytes(t, placements[t.name], cache.get(t.name, 0), precision, state, policy,
+    table_bytes = {t.name: table_footprint(t, placements[t.name], cache.get(t.name, 0), precision, state, policy,
                                         host_cache_ratio)
                    for t in tables}
     expected = {
@@ -527,7 +291,7 @@ def place_tables(
 def _spill_to_disk(tables, placements, cache, reasons, reads, precision, state, policy, budget, ratio) -> None:
     """Rule 5: move lookahead tables to disk, coldest per host byte first,
     until the host bytes fit `budget`; UserError when even all of them on disk do not."""
-    host = lambda t, p: _table_bytes(t, p, cache.get(t.name, 0), precision, state, policy, ratio)["host"]  # noqa: E731
+    host = lambda t, p: table_footprint(t, p, cache.get(t.name, 0), precision, state, policy, ratio)["host"]  # noqa: E731
     total = sum(host(t, placements[t.name]) for t in tables)
     if total <= budget:
         return

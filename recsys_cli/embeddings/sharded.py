@@ -311,7 +311,7 @@ def build_sharded_embeddings(features: list[str], vocab_sizes: list[int], dim: i
     lookups: per table the ids a global batch looks up (the planner's second
     objective; default: batch_ids, a one-hot table's ids per batch)."""
     from recsys_cli.embeddings.placement import build_embeddings
-    from recsys_cli.embeddings.placement_search import parse_bytes
+    from recsys_cli.embeddings.placement_bytes import parse_bytes
     from recsys_cli.embeddings.sharding import plan_shards, shard_row_bytes
     from recsys_cli.embeddings.table_init import TableSpec
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recsys_cli.embeddings.placement_search import device_row_bytes, host_row_bytes
+from recsys_cli.embeddings.placement_bytes import device_row_bytes, host_row_bytes
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
 
@@ -187,7 +187,7 @@ def plan_row_wise(tables: list[tuple[str, int]], row_bytes: dict[str, int], worl
 
 def shard_row_bytes(dim: int, precision: str, state_width: int = 0) -> int:
     """Bytes of one row of a shard in its store, optimizer state included:
-    placement_search's device row (fp32, the same bytes in host memory) for
+    placement_bytes.py's device row (fp32, the same bytes in host memory) for
     fp32, its host row (codes, scale, bias) for a low precision, wherever the
     store sits. Caches are left out: their slots are bounded, not per row."""
     if precision == "fp32":

@@ -5,7 +5,7 @@ the allocator for 69 GB after 13 s and died in a 40-line traceback. Before
 any table is built (and before the built-in synthetic data is generated:
 its vocabularies follow from the config), `plan` adds up what the run will
 hold, part by part, from the same sizes the groups allocate (TableGroup /
-CachedGroup.memory, placement_search's byte model):
+CachedGroup.memory, placement_bytes.py's byte model):
 
   tables            every table's rows in their precision, where they live
   optimizer state   row-wise Adagrad's accumulator beside each row
@@ -38,8 +38,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recsys_cli.embeddings.placement_search import (HOST_CACHE_BYTES_PER_SLOT, cache_index_bytes, device_row_bytes,
-                                                    host_row_bytes, slot_index_bytes)
+from recsys_cli.embeddings.placement_bytes import (HOST_CACHE_BYTES_PER_SLOT, cache_index_bytes, device_row_bytes,
+                                                   host_row_bytes, slot_index_bytes)
 from recsys_cli.errors import UserError
 from recsys_cli.units import format_bytes
 
@@ -316,7 +316,7 @@ def available(device=None) -> Room:
         host, why = room
     env = os.environ.get("RECSYS_MEMORY_LIMIT")  # a scheduler's (or a test's) own limit: 64GiB, 500MB, bytes
     if env:
-        from recsys_cli.embeddings.placement_search import parse_bytes
+        from recsys_cli.embeddings.placement_bytes import parse_bytes
 
         limit = parse_bytes(env, "RECSYS_MEMORY_LIMIT")
         if host is None or limit < host:

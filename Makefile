@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify chaos bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
+.PHONY: setup train test docs verify chaos bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,12 @@ test: setup
 # then every test marked `verify` (the command-line reproducibility and
 # kill/resume checks of every combination, and the rest that `make test` keeps
 # one fast case of).
+# The generated reference pages (docs/reference/config.md, commands.md) from
+# the schema and the commands' --help; tests/test_docs.py fails when the
+# committed pages differ from what this writes.
+docs: setup
+	$(BIN)/python -m recsys_cli.reference_docs
+
 verify: setup
 	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_parser_fuzz.py $(ARGS)
 	RECSYS_VERIFY=1 $(BIN)/pytest -m verify $(ARGS)

@@ -271,9 +271,11 @@ class TrainerConfig:
     # (multi-process runs: a rank that hangs cannot hang the others forever).
     dist_timeout: float = 120.0
     progress: bool = True  # a progress bar on a terminal (progress lines otherwise)
-    # torch compute (intra-op) threads while training; unset: the cores this
-    # process may use minus one per busy background thread (loader,
-    # prefetcher), at least one (train/threads.py).
+    # torch compute (intra-op) threads while training; unset: the rule of
+    # train/threads.py: the cores this process may use (shared among the
+    # machine's processes), all of them for a wide step (matrix products of
+    # 4e8 multiply-adds or more), else minus one per busy background thread
+    # (loader, prefetcher), at least one.
     threads: Optional[int] = None
     loader_queue_depth: int = 8  # batches the background loader may hold ready
     # metrics.jsonl is always written; tensorboard also writes the same scalars

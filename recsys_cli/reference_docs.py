@@ -240,14 +240,24 @@ def _template(node: Any) -> str:
 
 def error_sites(root: Path = ROOT) -> list[tuple[str, int, str]]:
     """[(file, line, message template)] of every UserError raised, every
-    `fail(...)` and every `write_error(...)` in the two packages."""
+    `fail(...)` and `write_error(...)`, and the message of every UserError
+    subclass (DamagedFile, ...) in the two packages. A message built in a
+    variable first shows as `{...}`: its parts are raised elsewhere."""
     import ast
 
     sites = []
     for package in ("recsys_cli", "data_tools"):
         for path in sorted((root / package).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            for node in ast.walk(ast.parse(path.read_text())):
+            tree = ast.parse(path.read_text())
+            for cls in ast.walk(tree):  # a UserError subclass: the message its __init__ gives the base
+                if isinstance(cls, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "UserError"
+                                                         for b in cls.bases):
+                    for call in ast.walk(cls):
+                        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
+                                call.func.attr == "__init__" and call.args:
+                            sites.append((rel, call.lineno, " ".join(_template(call.args[0]).split())))
+            for node in ast.walk(tree):
                 if not (isinstance(node, ast.Call) and node.args):
                     continue
                 name = node.func.id if isinstance(node.func, ast.Name) else \

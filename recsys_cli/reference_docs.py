@@ -211,7 +211,7 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("input data and datasets", ("data_tools/", "recsys_cli/train/training_data.py", "recsys_cli/verify.py")),
     ("placement, memory and the device", ("recsys_cli/embeddings/", "recsys_cli/device.py",
                                           "recsys_cli/train/memory_plan.py")),
-    ("checkpoints and resuming", ("recsys_cli/train/checkpoint.py", "recsys_cli/train/restore.py",
+    ("checkpoints and resuming", ("recsys_cli/checksum.py", "recsys_cli/train/checkpoint.py", "recsys_cli/train/restore.py",
                                   "recsys_cli/train/shard_checkpoint.py", "recsys_cli/safe_load.py")),
     ("several processes", ("recsys_cli/train/distributed.py", "recsys_cli/train/strategies/")),
     ("files, run directories and locks", ("recsys_cli/locks.py", "recsys_cli/train/rundir.py",

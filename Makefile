@@ -26,7 +26,7 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
-# The long matrix (README, Testing): 300 differential combinations and the
+# The long matrix (docs/development.md, Testing): 300 differential combinations and the
 # fuzzed parser with 20,000 new examples a test (tests/test_parser_fuzz.py),
 # then every test marked `verify` (the command-line reproducibility and
 # kill/resume checks of every combination, and the rest that `make test` keeps
@@ -63,7 +63,7 @@ bench-soak: setup
 bench-headline: setup
 	$(BIN)/python -m bench.headline --record $(ARGS)
 
-# The device check (README, GPU): tests on CUDA, exactness and determinism on
+# The device check (docs/how-to/gpu.md): tests on CUDA, exactness and determinism on
 # CUDA, placement timings and prefetch overlap; one CUDA GPU, ~4 minutes.
 # It runs in its own venv on the machine's torch (PYTHON: the Python whose
 # torch is built for its CUDA, >= 2.11), installed offline from wheels/, which

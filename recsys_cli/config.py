@@ -51,7 +51,7 @@ class MLPInit(Choice):
 
 class DensePrecision(Choice):
     fp32 = "fp32"
-    bf16 = "bf16"  # autocast of the MLPs (README, Speed); needs a bf16 path (device.require_bf16)
+    bf16 = "bf16"  # autocast of the MLPs (docs/explanation/performance.md); needs a bf16 path (device.require_bf16)
 
 
 class PlacementKind(Choice):
@@ -157,7 +157,7 @@ class ModelConfig:
     init: MLPInit = MLPInit.dlrm
     # When set, the dataset's sparse features must be exactly these.
     features: Optional[list[str]] = None
-    # Speed options for the dense half (README, Speed): torch.compile of the
+    # Speed options for the dense half (docs/explanation/performance.md): torch.compile of the
     # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
     # Both off by default: the default is the exact fp32 path.
     compile: bool = False

@@ -314,6 +314,10 @@ def stale_pages(root: Path = ROOT) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if not (ROOT / "pyproject.toml").exists():  # an installed copy: the pages belong to a checkout
+        print("error: the reference pages are made in a checkout of recsys (make docs), "
+              f"and {ROOT} is not one", file=sys.stderr)
+        return 2
     if args == ["--check"]:
         stale = stale_pages()
         for path in stale:

@@ -100,7 +100,7 @@ def train_keys() -> list[Key]:
                 rule = RANGES[name]
                 allowed = rule.words() + (" or null" if rule.unset else "")
             elif name.startswith("dataset.synthetic."):
-                allowed = "checked by data_tools.synthetic.validate"
+                allowed = synthetic_rules().get(f.name, "any")
             else:
                 allowed = "any"
             keys.append(Key(name, type_words(kind), _word(values[f.name]), allowed, described.get(name, "")))
@@ -108,6 +108,32 @@ def train_keys() -> list[Key]:
     assert isinstance(defaults, dict)
     walk(TrainConfig, "", defaults)
     return keys
+
+
+def synthetic_rules() -> dict[str, str]:
+    """{field: its allowed values} of the synthetic data's config, read from
+    the messages of data_tools.synthetic.validate (`rows must be >= 1, got
+    ...`; `need 0 <= a <= b`), so the page says what the check enforces."""
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    from data_tools import synthetic
+
+    rules: dict[str, str] = {}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(synthetic.validate)))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "bad"):
+            continue
+        text = " ".join(_template(node.args[0]).split())
+        single = re.match(r"(\w+) must be (.*?), got", text)
+        if single:
+            rules[single.group(1)] = single.group(2)
+        for field in re.findall(r"\b\w+\b", text[len("need "):] if text.startswith("need ") else ""):
+            if text.startswith("need ") and field in {f.name for f in dataclasses.fields(synthetic.SyntheticConfig)}:
+                rules[field] = text[len("need "):].split(", got")[0]
+    return rules
 
 
 def group_options() -> list[tuple[str, str, str]]:

@@ -79,6 +79,8 @@ def test_the_config_reference_names_every_key_with_type_default_and_range():
     for key in keys:
         assert f"| `{key.name}` |" in text
         assert key.description, f"{key.name} has no comment in the schema: config.md would have no description"
+        if key.type.split(" ")[0] in ("int", "float", "list") and key.name.startswith("dataset.synthetic."):
+            assert key.allowed != "any", f"{key.name}: data_tools.synthetic.validate states no range for it"
 
 
 def test_the_error_catalogue_sorts_every_site_into_a_family():

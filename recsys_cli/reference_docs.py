@@ -80,7 +80,7 @@ def train_keys() -> list[Key]:
     """Every key of `recsys train`'s schema, in the schema's order."""
     from omegaconf import OmegaConf
 
-    from recsys_cli.config import CHOICES, RANGES, TrainConfig
+    from recsys_cli.config import CHOICES, PLACEMENTS, RANGES, TrainConfig
     from recsys_cli.options import field_help
 
     described = field_help(TrainConfig)
@@ -99,6 +99,8 @@ def train_keys() -> list[Key]:
             elif name in RANGES:
                 rule = RANGES[name]
                 allowed = rule.words() + (" or null" if rule.unset else "")
+            elif name == "placement.overrides":  # config.validate: a table's own placement, never auto
+                allowed = "values: one of " + ", ".join(PLACEMENTS[:-1])
             elif name.startswith("dataset.synthetic."):
                 allowed = synthetic_rules().get(f.name, "any")
             else:

@@ -129,8 +129,12 @@ def test_every_option_of_a_documented_command_exists():
     schemas = command_schemas()
     bad = []
     for page in PAGES:
-        for line in command_lines(page_text(page)):
-            words = shlex.split(line)[1:]
+        text = page_text(page)
+        inline = [span for span in re.findall(r"`([^`\n]+)`", text) if span.startswith("recsys ")]
+        for line in command_lines(text) + inline:
+            words = shlex.split(line.replace("[", "").replace("]", ""))[1:]
+            if not words:
+                continue
             command = " ".join(words[:2]) if words[0] == "preprocess" else words[0]
             if command not in schemas:
                 continue

@@ -211,6 +211,8 @@ def test_the_criteo_kaggle_tutorial_runs_and_its_summary_fields_are_documented(t
     summary = json.loads((tmp_path / "runs/kaggle/summary.json").read_text())
     page = (DOCS / "reference" / "run-directory.md").read_text()
     assert not [field for field in summary if f"`{field}`" not in page]
+    records = [json.loads(line) for line in (tmp_path / "runs/kaggle/metrics.jsonl").read_text().splitlines()]
+    assert not {field for record in records for field in record if f"`{field}`" not in page}
 
 
 @pytest.mark.verify

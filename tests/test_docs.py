@@ -11,8 +11,9 @@
   the Python blocks too. The Kaggle tutorial runs in `make test` and its
   run's summary.json fields are all named in reference/run-directory.md; the
   first-run tutorial (five trainings) in `make verify`.
-* Links between the pages resolve, and every figure of the README's headline
-  table is in BENCHMARKS.md's current-figures table.
+* Links between the pages resolve, every source file they name exists, and
+  every figure of the README's headline table is in BENCHMARKS.md's
+  current-figures table.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -58,14 +58,14 @@ def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
     from recsys_cli.train.metrics import binary_metrics, calibration_bins, roc_curve
 
     probs = torch.sigmoid(logits.double())
-    out = dict(binary_metrics(logits, labels))  # auc, logloss, normalized_entropy, accuracy, calibration...
+    out: dict = dict(binary_metrics(logits, labels))  # auc, logloss, normalized_entropy, accuracy, calibration...
     out["calibration_bins"] = calibration_bins(labels, probs, bins)
     out["roc"] = roc_curve(logits, labels)
     return out
 
 
-def _against_diagonal(xs, ys, label: str, legend: str, xlabel: str, ylabel: str, title: str,
-                      point_notes: list[str] | None = None, **style):
+def _against_diagonal(xs, ys, label: str, legend: Literal["lower right", "upper left"], xlabel: str, ylabel: str,
+                      title: str, point_notes: list[str] | None = None, **style):
     """One curve on the unit square beside the diagonal (chance for ROC,
     perfect calibration for the calibration curve); `point_notes` are
     written beside the curve's points."""
@@ -118,12 +118,12 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
     from recsys_cli.train.metrics import SplitPredictions, write_json_atomic
 
     console = console or Console(stderr=True, highlight=False)
-    require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
+    checkpoint = require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
     if cfg.bins < 1:
         raise UserError(f"bins must be >= 1, got {cfg.bins}")
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
-    loaded = load_model(cfg.checkpoint, cfg.device, cfg.precision)
+    loaded = load_model(checkpoint, cfg.device, cfg.precision)
     dataset = Path(cfg.dataset).expanduser() if cfg.dataset else loaded.dataset_dir
     if dataset is None:
         raise UserError(f"{loaded.checkpoint} does not say which dataset it was trained on: give dataset=DIR")

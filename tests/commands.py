@@ -57,8 +57,14 @@ def train_in_process(args: list[str], *, cwd: Path, capsys: pytest.CaptureFixtur
     monkeypatch.setenv("RECSYS_CACHE", str(Path(cwd) / "cache"))
     monkeypatch.setenv("COLUMNS", "200")
     with _fresh_hydra_app():
-        code, out, err = in_process_output(["train", *map(str, args)], capsys)
-    return subprocess.CompletedProcess(["recsys", "train", *map(str, args)], code, out, err)
+        return completed_in_process(["train", *map(str, args)], capsys)
+
+
+def completed_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`recsys ARGV` by main() here (as in_process), as subprocess.run would
+    report the child: for helpers that take a finished process."""
+    code, out, err = in_process_output(argv, capsys)
+    return subprocess.CompletedProcess(["recsys", *argv], code, out, err)
 
 
 @contextlib.contextmanager

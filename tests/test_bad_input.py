@@ -21,7 +21,7 @@ import torch
 from data_tools.manifest import MANIFEST_NAME
 from datasets import write_dataset
 from train_config import config
-from commands import RECSYS, in_process, train_in_process
+from commands import RECSYS, completed_in_process, in_process, train_in_process
 
 
 def recsys(*args, cwd, **kw):
@@ -390,11 +390,13 @@ def test_nan_loss_without_a_checkpoint_says_none_was_written(tmp_path):
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error):
+def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error, capsys, monkeypatch):
     raw = tmp_path / "test.txt"
     raw.write_text(criteo_lines(50, columns=39))
-    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}", "progress=false",
-               cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # main() here (preprocess composes without Hydra's global state): the line
+    monkeypatch.setenv("COLUMNS", "200")
+    r = completed_in_process(["preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}",
+                              "progress=false"], capsys)
     line = assert_user_error(r, f"{raw} line 1", "found 39", "looks unlabelled", "needs the label")
     assert "on_error=skip drops" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test.txt"]

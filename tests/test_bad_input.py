@@ -21,13 +21,25 @@ import torch
 from data_tools.manifest import MANIFEST_NAME
 from datasets import write_dataset
 from train_config import config
-from commands import RECSYS, in_process
-
+from commands import RECSYS, completed_in_process, in_process, train_in_process
 
 
 def recsys(*args, cwd, **kw):
     env = {**os.environ, "RECSYS_CACHE": str(Path(cwd) / "cache"), "COLUMNS": "200"}
     return subprocess.run([RECSYS, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def train(tmp_path, capsys, monkeypatch):
+    """`recsys train ARGS` in tmp_path, as recsys() runs it but by main() in this
+    process (commands.train_in_process): these tests are about the line a run
+    prints, its exit status and the files it leaves, not the process. The
+    real-process cases: test_a_truncated_shard_fails_at_start (a UserError
+    from the trainer under Hydra's app), test_hydras_own_keys_exit_2 (Hydra's
+    own exit), test_a_failed_checkpoint_write_is_one_line_exit_2_and_leaves_no_tmp."""
+    def run(*args):
+        return train_in_process(list(args), cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
+    return run
 
 
 def assert_user_error(result, *needles: str) -> str:
@@ -67,11 +79,11 @@ TINY_TRAIN = ["trainer.batch_size=50", "trainer.max_steps=6", "trainer.progress=
 
 @pytest.mark.parametrize("placement", ["device", "lookahead"])
 @pytest.mark.parametrize("feature", ["C2", "C3"])  # a middle table (would read its neighbour's rows), the last one
-def test_ids_outside_a_table_name_shard_row_group_feature_id(tmp_path, placement, feature):
+def test_ids_outside_a_table_name_shard_row_group_feature_id(tmp_path, placement, feature, train):
     data = tiny_dataset(tmp_path)
     set_vocab(data, feature, 100)
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, f"+placement={placement}", "placement.cache_rows=500",
-               "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, f"+placement={placement}", "placement.cache_rows=500",
+              "hydra.run.dir=run")
     line = assert_user_error(r, "train-0000", "row group", f"feature {feature}", "vocab_size 100")
     assert "is outside [0, 100)" in line
     assert not (tmp_path / "run" / "summary.json").exists()
@@ -171,7 +183,7 @@ def test_preprocess_refuses_an_input_inside_the_output(tmp_path):
 # --- 4. one run per run directory ----------------------------------------------------------------------------------
 
 
-def test_a_second_run_in_a_busy_run_directory_fails_and_leaves_it_alone(tmp_path):
+def test_a_second_run_in_a_busy_run_directory_fails_and_leaves_it_alone(tmp_path, train):
     from recsys_cli.train import rundir
 
     data = tiny_dataset(tmp_path)
@@ -179,53 +191,53 @@ def test_a_second_run_in_a_busy_run_directory_fails_and_leaves_it_alone(tmp_path
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the running run's files
     with rundir.locked(run):  # a run holds the directory
-        r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+        r = train(f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
         assert_user_error(r, f"run directory {run}", f"in use by another recsys train (pid {os.getpid()})")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert not (run / ".hydra").exists() and not (run / "summary.json").exists()
     assert not (run / "checkpoints").exists()
 
 
-def test_a_lock_left_by_a_dead_run_is_stale(tmp_path):
+def test_a_lock_left_by_a_dead_run_is_stale(tmp_path, train):
     data = tiny_dataset(tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").write_text(dead.stdout)  # the lock file of a run that was killed
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
     assert not (tmp_path / "run" / ".lock").exists()  # taken over, and removed when the run ended
 
 
-def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothing(tmp_path):
+def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothing(tmp_path, train):
     """hydra.run.dir=run twice, no resume: the second run replaced the first one's
     checkpoints and metrics.jsonl without a word (issue 27)."""
     data = tiny_dataset(tmp_path)
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     before = files_of(run)
     assert ".lock" not in before  # removed when the run ended (locks.py)
     assert "metrics.jsonl" in before and "checkpoints/latest.json" in before
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.seed=1", "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.seed=1", "hydra.run.dir=run")
     assert_user_error(r, f"run directory {run} holds another run (metrics.jsonl, summary.json, checkpoints/)",
                       "resume it with trainer.resume=true, or choose another directory")
     after = files_of(run)
     assert after == before
     # Its checkpoint directory, given to a new run elsewhere, is refused as well.
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, f"trainer.checkpoint_dir={run / 'checkpoints'}",
-               "hydra.run.dir=other", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, f"trainer.checkpoint_dir={run / 'checkpoints'}",
+              "hydra.run.dir=other")
     assert_user_error(r, f"checkpoint directory {run / 'checkpoints'} holds another run's checkpoints")
     after = files_of(run)
     assert after == before  # the refused run held the checkpoint directory while it checked, and left no lock and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
-def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path):
+def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path, train):
     """A start that fails before any output (here: no dataset) left an empty
     outputs/DATE/TIME/ (its lock, .hydra/, an empty app.log) per attempt (issue 28)."""
     missing = ["dataset=criteo_kaggle", f"dataset.path={tmp_path / 'nope'}", "trainer.progress=false"]
-    r = recsys("train", *missing, cwd=tmp_path)
+    r = train(*missing)
     assert_user_error(r, "does not exist")
     assert not (tmp_path / "outputs").exists()  # outputs/, its DATE/ and TIME/ were all made by this start
     # A directory that was there before stays: another run's, and one named with hydra.run.dir.
@@ -233,13 +245,13 @@ def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(
     other.mkdir(parents=True)
     (other / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "mine").mkdir()
-    assert_user_error(recsys("train", *missing, cwd=tmp_path), "does not exist")
-    assert_user_error(recsys("train", *missing, "hydra.run.dir=mine", cwd=tmp_path), "does not exist")
+    assert_user_error(train(*missing), "does not exist")
+    assert_user_error(train(*missing, "hydra.run.dir=mine"), "does not exist")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "outputs").rglob("*")) == [
         "outputs/2026-01-01", "outputs/2026-01-01/10-00-00", "outputs/2026-01-01/10-00-00/metrics.jsonl"]
     assert (tmp_path / "mine").is_dir()
     # hydra.run.dir naming directories that do not exist yet: they are this start's.
-    assert_user_error(recsys("train", *missing, "hydra.run.dir=new/run", cwd=tmp_path), "does not exist")
+    assert_user_error(train(*missing, "hydra.run.dir=new/run"), "does not exist")
     assert not (tmp_path / "new").exists()
 
 
@@ -288,24 +300,24 @@ def test_resume_rewinds_metrics_to_the_checkpoint(tmp_path, monkeypatch):
 # --- 5. resume into a different model ----------------------------------------------------------------------------
 
 
-def test_resume_into_another_model_names_the_keys_and_changes_nothing(tmp_path):
+def test_resume_into_another_model_names_the_keys_and_changes_nothing(tmp_path, train):
     data = tiny_dataset(tmp_path)
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
     assert r.returncode == 0, r.stderr
     ck = tmp_path / "run" / "checkpoints"
     before = files_of(ck)
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.resume=true", "hydra.run.dir=run2",
-               f"trainer.checkpoint_dir={ck}", "model.embedding_dim=8", "model.bottom_mlp=[64,8]",
-               "model.interaction=cat", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.resume=true", "hydra.run.dir=run2",
+              f"trainer.checkpoint_dir={ck}", "model.embedding_dim=8", "model.bottom_mlp=[64,8]",
+               "model.interaction=cat")
     line = assert_user_error(r, str(ck / "step-00000006.pt"), "model.embedding_dim=16 in the checkpoint, 8 now",
                              "model.bottom_mlp=[64, 16] in the checkpoint, [64, 8] now", "model.interaction")
     assert "placement.*" in line  # says what may change
     after = files_of(ck)
     assert after == before  # the second run held the checkpoint directory while it checked, and left no lock
     # What may change does: placement, precision, trainer.* keys.
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=10", "trainer.resume=true",
-               "+placement=lookahead", "placement.cache_rows=800", "+precision=int8", "hydra.run.dir=run3",
-               f"trainer.checkpoint_dir={ck}", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=10", "trainer.resume=true",
+              "+placement=lookahead", "placement.cache_rows=800", "+precision=int8", "hydra.run.dir=run3",
+               f"trainer.checkpoint_dir={ck}")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     assert json.loads((tmp_path / "run3" / "summary.json").read_text())["steps"] == 10
@@ -322,11 +334,10 @@ def damage(path: Path, at: float = 0.5) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_damaged_train_shard_is_named_by_its_checksum(tmp_path):
+def test_a_damaged_train_shard_is_named_by_its_checksum(tmp_path, train):
     data = tiny_dataset(tmp_path)
     damage(data / "train-00001.parquet")
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "hydra.run.dir=run",
-               cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "hydra.run.dir=run")
     assert_user_error(r, str(data / "train-00001.parquet"), "sha256", "recsys verify")
     r = recsys("verify", data, cwd=tmp_path)
     assert_user_error(r, "train-00001.parquet: sha256 differs")
@@ -341,14 +352,14 @@ def test_a_truncated_shard_fails_at_start(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # before any training
 
 
-def test_an_unreadable_val_shard_keeps_the_trained_model(tmp_path):
+def test_an_unreadable_val_shard_keeps_the_trained_model(tmp_path, train):
     data = tiny_dataset(tmp_path)
     shard = data / "val-00000.parquet"
     damage(shard, at=0.3)
     m = json.loads((data / MANIFEST_NAME).read_text())
     m["splits"]["val"]["shards"][0]["sha256"] = ""  # a dataset without checksums: the read itself fails
     (data / MANIFEST_NAME).write_text(json.dumps(m))
-    r = recsys("train", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
     assert_user_error(r, str(shard), "row group 0 cannot be read")
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 6  # the final checkpoint was written before the final evaluation
@@ -379,11 +390,13 @@ def test_nan_loss_without_a_checkpoint_says_none_was_written(tmp_path):
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error):
+def test_unlabelled_input_says_it_looks_unlabelled(tmp_path, on_error, capsys, monkeypatch):
     raw = tmp_path / "test.txt"
     raw.write_text(criteo_lines(50, columns=39))
-    r = recsys("preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}", "progress=false",
-               cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # main() here (preprocess composes without Hydra's global state): the line
+    monkeypatch.setenv("COLUMNS", "200")
+    r = completed_in_process(["preprocess", "criteo", f"input={raw}", "output=ds", f"on_error={on_error}",
+                              "progress=false"], capsys)
     line = assert_user_error(r, f"{raw} line 1", "found 39", "looks unlabelled", "needs the label")
     assert "on_error=skip drops" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test.txt"]
@@ -419,8 +432,8 @@ def test_hydras_own_keys_exit_2(tmp_path):
     ("optimizer.lr=nan", "optimizer.lr must be > 0, got nan"),
     ("optimizer.lr=0", "optimizer.lr must be > 0, got 0"),
 ])
-def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, message):
-    r = recsys("train", override, "trainer.progress=false", "hydra.run.dir=run", cwd=tmp_path)
+def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, message, train):
+    r = train(override, "trainer.progress=false", "hydra.run.dir=run")
     assert_user_error(r, message)
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
 
@@ -452,9 +465,9 @@ def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
         Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=True, dedup__keep_sessions=True))
 
 
-def test_cli_dedup_on_data_without_sessions(tmp_path):
+def test_cli_dedup_on_data_without_sessions(tmp_path, train):
     data = tiny_dataset(tmp_path, multihot=1, vocab=20)  # like the default dataset: no session column
-    r = recsys("train", "+dedup=on", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run", cwd=tmp_path)
+    r = train("+dedup=on", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")
     assert r.returncode == 0, r.stderr
     assert "no session column" in r.stdout
 

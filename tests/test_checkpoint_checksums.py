@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from datasets import write_dataset
-from test_bad_input import LR, assert_user_error, recsys
+from commands import completed_in_process
+from test_bad_input import LR, assert_user_error
 from train_config import config
 
 from recsys_cli.embeddings import disk_checkpoint
@@ -121,17 +122,18 @@ def test_predict_evaluate_export_name_the_damaged_file(run, tmp_path, kind):
     assert not (tmp_path / "p.csv").exists() and not (tmp_path / "m.pt2").exists()
 
 
-def test_the_intact_run_loads_and_verify_checks_every_checkpoint(run, tmp_path):
+def test_the_intact_run_loads_and_verify_checks_every_checkpoint(run, tmp_path, capsys):
     """The CLI: `recsys verify RUN` passes the intact run, and a damaged delta
-    is one line, exit 2, from verify and from predict."""
+    is one line, exit 2, from verify and from predict (main() in this process,
+    commands.completed_in_process: the lines, not the process)."""
     src, data = run
-    ok = recsys("verify", src / "run", cwd=tmp_path)
+    ok = completed_in_process(["verify", str(src / "run")], capsys)
     assert ok.returncode == 0 and ok.stdout.startswith(f"ok: {src / 'run' / 'checkpoints'}: 2 checkpoint(s)"), ok
     copy, path = damaged_copy(run, tmp_path, "delta")
-    bad = recsys("verify", copy, cwd=tmp_path)
+    bad = completed_in_process(["verify", str(copy)], capsys)
     assert_user_error(bad, f"checkpoint file {path} is damaged: its xxh3_64 is", "1 problem(s) in 2 checkpoint(s)")
-    r = recsys("predict", f"checkpoint={copy}", f"input={data}", "split=val", f"output={tmp_path / 'p.csv'}",
-               "device=cpu", "progress=false", cwd=tmp_path)
+    r = completed_in_process(["predict", f"checkpoint={copy}", f"input={data}", "split=val",
+                              f"output={tmp_path / 'p.csv'}", "device=cpu", "progress=false"], capsys)
     assert_user_error(r, f"checkpoint file {path} is damaged")
 
 

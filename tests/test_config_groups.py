@@ -5,22 +5,22 @@ runs and in sweeps (issue 28)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 import yaml
 
 from recsys_cli.config_groups import group_overrides
-from commands import RECSYS
+from commands import train_in_process
 
 TINY = ["dataset.synthetic.rows=3000", "dataset.synthetic.cardinality_scale=0.0002", "trainer.max_steps=2",
         "trainer.progress=false", "trainer.final_checkpoint=false"]
 
 
-def recsys(*args, cwd):
-    env = {**os.environ, "RECSYS_CACHE": str(cwd / "cache")}
-    return subprocess.run([RECSYS, *args], cwd=cwd, env=env, capture_output=True, text=True)
+@pytest.fixture
+def train(tmp_path, capsys, monkeypatch):
+    """`recsys train ARGS` in tmp_path, by main() in this process (commands.train_in_process):
+    what the spellings compose to, not the process."""
+    return lambda *args: train_in_process(list(args), cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
 
 
 def test_only_whole_groups_lose_their_plus():
@@ -31,9 +31,8 @@ def test_only_whole_groups_lose_their_plus():
 
 
 @pytest.mark.parametrize("plus", ["", "+"])
-def test_each_spelling_of_the_groups_composes_the_option(tmp_path, plus):
-    result = recsys("train", "--cfg", "job", f"{plus}placement=lookahead", f"{plus}precision=int8",
-                    f"{plus}dedup=on", cwd=tmp_path)
+def test_each_spelling_of_the_groups_composes_the_option(tmp_path, plus, train):
+    result = train("--cfg", "job", f"{plus}placement=lookahead", f"{plus}precision=int8", f"{plus}dedup=on")
     assert result.returncode == 0, result.stderr
     cfg = yaml.safe_load(result.stdout)
     assert (cfg["placement"]["kind"], cfg["placement"]["window"]) == ("lookahead", 4)  # lookahead.yaml applied
@@ -41,8 +40,8 @@ def test_each_spelling_of_the_groups_composes_the_option(tmp_path, plus):
 
 
 @pytest.mark.parametrize("plus", ["", "+"])
-def test_each_spelling_sweeps_over_the_placements(tmp_path, plus):
-    result = recsys("train", "-m", f"{plus}placement=device,lookahead", *TINY, "hydra.sweep.dir=multi", cwd=tmp_path)
+def test_each_spelling_sweeps_over_the_placements(tmp_path, plus, train):
+    result = train("-m", f"{plus}placement=device,lookahead", *TINY, "hydra.sweep.dir=multi")
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = [json.loads((tmp_path / "multi" / str(job) / "summary.json").read_text())["placement"] for job in (0, 1)]
     assert kinds == ["device", "lookahead"]

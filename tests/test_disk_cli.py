@@ -17,7 +17,7 @@ import torch
 
 from recsys_cli.embeddings.disk_checkpoint import materialize
 from recsys_cli.checkpoints import load_checkpoint
-from commands import RECSYS
+from commands import RECSYS, train_in_process
 from test_resume_exact import SMALL, assert_identical, records, recsys
 
 DISK = ["+placement=disk", "placement.host_cache_rows=50", "placement.cache_ratio=0.2", "trainer.batch_size=64",
@@ -77,13 +77,12 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run(tmp_path, mode):
     assert not [p for p in (tmp_path / "live").iterdir() if p.name.startswith("recsys-disk-")]
 
 
-def test_an_unwritable_disk_path_is_one_line_exit_2(tmp_path):
+def test_an_unwritable_disk_path_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run([RECSYS, "train", *SMALL, *DISK, "trainer.max_steps=2",
-                             f"placement.disk_path={blocker / 'tables'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    result = train_in_process([*SMALL, *DISK, "trainer.max_steps=2", f"placement.disk_path={blocker / 'tables'}",
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capsys=capsys,
+                              monkeypatch=monkeypatch)  # the line, not the process: commands.train_in_process
     assert result.returncode == 2, result.stderr[-2000:]
     err = result.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from commands import RECSYS
+from commands import RECSYS, completed_in_process
 from test_criteo_preprocess import write_raw
 
 
@@ -64,9 +64,12 @@ def test_the_default_lookahead_cache_fits_a_small_real_dataset(run):
     assert summary["cache"]["cache_slots"] == expected and summary["steps"] == 6
 
 
-def test_the_export_scores_raw_rows_like_predict(run, one_compute_thread):
+def test_the_export_scores_raw_rows_like_predict(run, one_compute_thread, capsys, monkeypatch):
     """`recsys export`'s artifact on raw TSV rows (load + one call) == `recsys
-    predict` on the same rows, bit for bit (fp32, one batch of the same size)."""
+    predict` on the same rows, bit for bit (fp32, one batch of the same size).
+    Both commands by main() in this process (commands.completed_in_process:
+    what they write, not the process; the fixture's preprocess and train are
+    real processes)."""
     import numpy as np
     import torch
 
@@ -77,10 +80,12 @@ def test_the_export_scores_raw_rows_like_predict(run, one_compute_thread):
     rows += [r[:14] + [f"{rng.getrandbits(32):08X}" if v else "" for v in r[14:]] for r in rows[:50]]
     assert run["train"].returncode == 0, run["train"].stderr
     write_raw(tmp / "score.txt", [r[1:] for r in rows])  # unlabelled, like Criteo's test.txt
-    export = recsys("export", "checkpoint=run", "output=model.pt2", cwd=tmp)
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv("RECSYS_CACHE", str(tmp / "cache"))
+    export = completed_in_process(["export", "checkpoint=run", "output=model.pt2"], capsys)
     assert export.returncode == 0, export.stderr
-    pred = recsys("predict", "checkpoint=run", "input=score.txt", "output=preds.csv", f"batch_size={len(rows)}",
-                  "device=cpu", "progress=false", cwd=tmp)
+    pred = completed_in_process(["predict", "checkpoint=run", "input=score.txt", "output=preds.csv",
+                                 f"batch_size={len(rows)}", "device=cpu", "progress=false"], capsys)
     assert pred.returncode == 0, pred.stderr
     expected = np.array([np.float32(x) for x in (tmp / "preds.csv").read_text().splitlines()[1:]], dtype=np.float32)
 

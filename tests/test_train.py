@@ -19,7 +19,7 @@ from recsys_cli.train.metrics import roc_auc
 from recsys_cli.train.trainer import Trainer
 from devices import TEST_DEVICE, fresh_cuda_block
 from train_config import assert_states_equal, config, state_of, train
-from commands import RECSYS
+from commands import RECSYS, train_in_process
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
@@ -77,8 +77,9 @@ def test_cli_train_writes_metrics_and_summary(tmp_path):
         ("dataset.path=/does/not/exist", "/does/not/exist"),
     ],
 )
-def test_bad_config_fails_at_start_naming_the_key(tmp_path, override, message):
-    result = recsys("train", *override.split(), "hydra.run.dir=run", cwd=tmp_path)
+def test_bad_config_fails_at_start_naming_the_key(tmp_path, override, message, capsys, monkeypatch):
+    result = train_in_process([*override.split(), "hydra.run.dir=run"], cwd=tmp_path, capsys=capsys,
+                              monkeypatch=monkeypatch)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
 

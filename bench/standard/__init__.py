@@ -14,6 +14,12 @@ from bench.harness import Benchmark
 
 STANDARD = {
     "train": "bench.standard.train",
+    "placement": "bench.standard.placement",
+    "precision": "bench.standard.precision",
+    "dedup": "bench.standard.dedup",
+    "threads": "bench.standard.threads",
+    "memory": "bench.standard.memory",
+    "preprocess": "bench.standard.preprocess",
 }
 
 

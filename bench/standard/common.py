@@ -19,9 +19,10 @@ from recsys_cli.train.trainer import Trainer
 
 @dataclass(frozen=True)
 class TrainSize(Size):
-    """Synthetic rows, their cardinalities (x Kaggle's), batch size and
-    training steps per chunk."""
+    """The model, synthetic rows and their cardinalities (x Kaggle's), batch
+    size and training steps per chunk."""
 
+    model: str = "dlrm_kaggle"
     rows: int = 300_000
     scale: float = 1.0
     batch: int = 128
@@ -31,13 +32,12 @@ class TrainSize(Size):
         return (self.warmup + self.rounds) * self.steps
 
 
-def train_config(size: TrainSize, model: str = "dlrm_kaggle", threads: int | None = None,
-                 overrides: Mapping[str, Any] | None = None) -> Any:
-    """A trainer's config: `model` on synthetic data of `size`, SGD lr 0.1 (the
-    schema's), no evaluation, no checkpoint, no progress bar; `overrides`
-    (dotted keys) on top."""
+def train_config(size: TrainSize, threads: int | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
+    """A trainer's config: the size's model on its synthetic data, SGD lr 0.1
+    (the schema's), no evaluation, no checkpoint, no progress bar; `threads`
+    compute threads (default: torch's count); `overrides` (dotted keys) on top."""
     cfg = OmegaConf.structured(TrainConfig)
-    OmegaConf.update(cfg, "model", OmegaConf.load(f"configs/model/{model}.yaml"), merge=True)
+    OmegaConf.update(cfg, "model", OmegaConf.load(f"configs/model/{size.model}.yaml"), merge=True)
     cfg.dataset.synthetic.rows = size.rows
     cfg.dataset.synthetic.cardinality_scale = size.scale
     cfg.trainer.batch_size = size.batch
@@ -56,11 +56,13 @@ class TrainerRun(SystemRun):
     """recsys's trainer: each chunk trains `steps` steps end to end (its
     loader thread and, for lookahead, its prefetcher running), with the
     config's compute threads set for the chunk (they are a process-wide
-    setting that the systems of one process share)."""
+    setting that the systems of one process share). With `evaluate`, the
+    extras hold that split's AUC after the last round."""
 
-    def __init__(self, cfg: Any, steps: int) -> None:
+    def __init__(self, cfg: Any, steps: int, evaluate: str | None = None) -> None:
         self.trainer = Trainer(cfg)
-        self.trainer.eval_loaders = {}  # throughput only
+        self.evaluate = evaluate
+        self.trainer.eval_loaders = {k: v for k, v in self.trainer.eval_loaders.items() if k == evaluate}
         self.steps, self.threads = steps, int(cfg.trainer.threads)
         self.batches: Iterator[Any] = self.trainer.epoch_batches()
 
@@ -78,8 +80,16 @@ class TrainerRun(SystemRun):
         return samples
 
     def extras(self) -> Mapping[str, Cell]:
+        out: dict[str, Cell] = {}
+        if self.evaluate:
+            out[f"{self.evaluate} AUC"] = float(self.trainer.evaluate(self.evaluate)["auc"])
         hit_rate = self.trainer.embeddings.stats().get("hit_rate")
-        return {} if hit_rate is None else {"hit rate": float(hit_rate)}
+        if hit_rate is not None:
+            out["hit rate"] = float(hit_rate)
+        memory = self.trainer.embeddings.memory()
+        out["table+cache MiB"] = (memory["table"] + memory["cache"]) / 2**20
+        out["index MiB"] = memory["index"] / 2**20
+        return out
 
     def close(self) -> None:
         close = getattr(self.batches, "close", None)

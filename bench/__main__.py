@@ -5,7 +5,8 @@
 NAME is a benchmark of the standard set (--list) or `module:ATTRIBUTE` naming
 a `Benchmark` anywhere importable. --record appends the rows to BENCHMARKS.md
 (--doc FILE: to FILE instead); a smoke size never writes BENCHMARKS.md.
-Exit 2 with one line on a name or size that does not exist.
+Exit 2 with one line on a name or size that does not exist; a benchmark that
+fails is reported and the next one runs (exit 1 at the end, no rows for it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from bench import harness
@@ -54,10 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     if doc == DOC and args.size == "smoke":
         print("bench: smoke sizes are not recorded in BENCHMARKS.md (use --doc FILE)", file=sys.stderr)
         doc = None
-    start = time.perf_counter()
+    start, failed = time.perf_counter(), []
     for name, b in zip(names, benches):
-        harness.run(b, args.size, name, doc)
+        try:
+            harness.run(b, args.size, name, doc)
+        except Exception:  # the next benchmark still runs; this one's rows are not written
+            traceback.print_exc()
+            failed.append(name)
     print(f"== all: {time.perf_counter() - start:.0f} s")
+    if failed:
+        print(f"bench: failed: {', '.join(failed)} (no rows written for them)", file=sys.stderr)
+        return 1
     return 0
 
 

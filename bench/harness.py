@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from bench.record import DOC, Cell, Load, machine, record
+from bench.record import DOC, Cell, Load, fmt, machine, record
 
 MIB = 2**20
 MIN_ROUNDS = 2  # a ratio's range needs two rounds
@@ -234,7 +234,7 @@ def run(bench: Benchmark[SizeT], size_name: str, address: str, doc: Path | None 
     load = Load(load_start, Load.now())
     columns, table = rows(bench, size_name, results)
     for row in table:
-        report("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        report("  " + ", ".join(f"{k} {fmt(v)}" for k, v in row.items()))
     report(f"== {bench.name}: {time.perf_counter() - start:.0f} s, load {load}")
     if doc is not None:
         command = shlex.join(["python", "-m", "bench", address, "--size", size_name])

@@ -89,7 +89,7 @@ def record(section: str, columns: Sequence[str], rows: Sequence[Mapping[str, Cel
     load = load or Load(Load.now(), Load.now())
     header = ["date", *columns, "machine", "load", "command"]
     where = machine_name or machine()
-    lines = ["| " + " | ".join([today(), *(_fmt(r.get(c)) for c in columns), where, str(load), f"`{command}`"]) + " |"
+    lines = ["| " + " | ".join([today(), *(fmt(r.get(c)) for c in columns), where, str(load), f"`{command}`"]) + " |"
              for r in rows]
     text = doc.read_text() if doc.exists() else INTRO
     title = f"## {section}"
@@ -119,7 +119,7 @@ def record(section: str, columns: Sequence[str], rows: Sequence[Mapping[str, Cel
     os.replace(tmp, doc)
 
 
-def _fmt(v: Cell) -> str:
+def fmt(v: Cell) -> str:
     if v is None:
         return "-"
     if isinstance(v, bool):

@@ -2,16 +2,14 @@
 and what tests/test_bench_harness.py runs end to end.
 
 SUM: summing a list of floats with Python's sum against torch.sum of the
-same numbers as a tensor, alternated in one process. MEMORY: the same sum
-over a buffer of 1x and 4x `mib` MiB, each in its own process, so each
+same numbers as a tensor, alternated in one process. MEMORY: counting the
+bytes of a buffer of 1x and 4x `mib` MiB, each in its own process, so each
 peak RSS (VmHWM) is that process's own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from bench.harness import Benchmark, Size, System, SystemRun
 
@@ -34,6 +32,8 @@ class PythonSum(SystemRun):
 
 class TorchSum(SystemRun):
     def __init__(self, size: SumSize) -> None:
+        import torch  # here: MEMORY's processes never import it
+
         self.numbers, self.repeats = torch.arange(size.numbers, dtype=torch.float64), size.repeats
 
     def chunk(self) -> int:
@@ -59,14 +59,13 @@ class BufferSize(Size):
 
 class BufferSum(SystemRun):
     def __init__(self, mib: int) -> None:
-        self.buffer = torch.ones(mib * 2**20 // 8, dtype=torch.float64)  # written: its pages are resident
+        self.buffer = b"\x01" * (mib * 2**20)  # written: its pages are resident
 
     def chunk(self) -> int:
-        self.buffer.sum()
-        return self.buffer.numel()
+        return self.buffer.count(1)
 
     def extras(self) -> dict[str, int]:
-        return {"buffer MiB": self.buffer.numel() * 8 // 2**20}
+        return {"buffer MiB": len(self.buffer) // 2**20}
 
 
 MEMORY = Benchmark[BufferSize](
@@ -74,7 +73,7 @@ MEMORY = Benchmark[BufferSize](
     section="Example: peak RSS of a 1x and a 4x buffer",
     sizes={"smoke": BufferSize(mib=32, rounds=2), "standard": BufferSize(mib=256)},
     systems=[System("1x", lambda size: BufferSum(size.mib)), System("4x", lambda size: BufferSum(4 * size.mib))],
-    unit="numbers",
+    unit="bytes",
     isolated=True,
     seconds=5,
 )

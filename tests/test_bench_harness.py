@@ -118,3 +118,16 @@ def test_a_failing_benchmark_writes_no_rows_and_the_next_one_runs(tmp_path, caps
     assert code == 1 and "broken on purpose" in err and "failed: broken (no rows" in err
     text = doc.read_text()
     assert "## Broken" not in text and "`python -m bench bench.example:SUM --size smoke`" in text
+
+
+def test_a_second_run_appends_under_the_last_row_above_a_note_written_after_the_table(tmp_path):
+    doc = tmp_path / "BENCHMARKS.md"
+    load = record.Load(1.0, 2.0)
+    record.record("S", ["x"], [{"x": 1}], "cmd one", "the note", load=load, doc=doc, machine_name="m")
+    doc.write_text(doc.read_text() + "\nA note under the table.\n\n## T\n")
+    record.record("S", ["x"], [{"x": 2.5}], "cmd two", load=load, doc=doc, machine_name="m")
+    text = doc.read_text()
+    today = record.today()
+    assert (f"| date | x | machine | load | command |\n|---|---|---|---|---|\n| {today} | 1 | m | 1.0 -> 2.0 | `cmd one` |\n"
+            f"| {today} | 2.500 | m | 1.0 -> 2.0 | `cmd two` |\n\nA note under the table.\n\n## T\n") in text
+    assert text.count("the note") == 1

@@ -17,6 +17,10 @@ A benchmark (bench/standard/*.py, bench/README.md says how to declare one):
   whose peak RSS (VmHWM: that process's own high-water mark) is the row's
   "peak RSS MiB"; for benchmarks that measure memory.
 
+Systems that share data (a generated file, a checkpoint) build it once in
+`work_dir()`: one scratch directory per benchmark run, the same in every
+system's process, removed when the run ends.
+
 Rounds stop early, after at least two, once the benchmark's `seconds` (its
 share of `make bench`'s stated time) are spent; the row says how many ran.
 """
@@ -24,10 +28,12 @@ share of `make bench`'s stated time) are spent; the row says how many ran.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +45,14 @@ from bench.record import DOC, Cell, Load, fmt, machine, record
 
 MIB = 2**20
 MIN_ROUNDS = 2  # a ratio's range needs two rounds
+WORK_ENV = "RECSYS_BENCH_WORK"  # the run's scratch directory, inherited by the systems' processes
+
+
+def work_dir() -> Path:
+    """The running benchmark's scratch directory, shared by its systems."""
+    if WORK_ENV not in os.environ:
+        raise RuntimeError("work_dir() is for systems the harness runs (python -m bench)")
+    return Path(os.environ[WORK_ENV])
 
 
 def say(line: str) -> None:
@@ -229,8 +243,13 @@ def run(bench: Benchmark[SizeT], size_name: str, address: str, doc: Path | None 
         raise KeyError(f"benchmark {bench.name} has no size {size_name!r} (sizes: {', '.join(bench.sizes)})")
     report(f"== {bench.name} ({size_name}): {', '.join(s.name for s in bench.systems)}")
     start, load_start = time.perf_counter(), Load.now()
-    results = (run_isolated(bench, size_name, address, report) if bench.isolated
-               else run_in_process(bench, size_name, report=report))
+    with tempfile.TemporaryDirectory(prefix=f"recsys-bench-{bench.name}-") as work:
+        os.environ[WORK_ENV] = work
+        try:
+            results = (run_isolated(bench, size_name, address, report) if bench.isolated
+                       else run_in_process(bench, size_name, report=report))
+        finally:
+            del os.environ[WORK_ENV]
     load = Load(load_start, Load.now())
     columns, table = rows(bench, size_name, results)
     for row in table:

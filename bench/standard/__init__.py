@@ -20,6 +20,7 @@ STANDARD = {
     "threads": "bench.standard.threads",
     "memory": "bench.standard.memory",
     "preprocess": "bench.standard.preprocess",
+    "predict": "bench.standard.predict",
 }
 
 

@@ -21,6 +21,7 @@ STANDARD = {
     "memory": "bench.standard.memory",
     "preprocess": "bench.standard.preprocess",
     "predict": "bench.standard.predict",
+    "quality": "bench.standard.quality",
 }
 
 

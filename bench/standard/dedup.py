@@ -37,5 +37,5 @@ BENCHMARK = Benchmark[TrainSize](
         "standard": TrainSize(model="dlrm_small", rows=200_000, scale=0.01, batch=512, steps=20, rounds=5),
     },
     systems=[system(False), system(True)],
-    seconds=50,
+    seconds=40,
 )

@@ -35,5 +35,5 @@ BENCHMARK = Benchmark[TrainSize](
     },
     systems=[system(n) for n in SYSTEMS],
     isolated=True,
-    seconds=60,
+    seconds=50,
 )

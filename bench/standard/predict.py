@@ -178,5 +178,5 @@ BENCHMARK = Benchmark[PredictSize](
     systems=[System("predict", Predict), System("parse+map", ParseMap), System("MLPs", Mlps)],
     unit="rows",
     isolated=True,
-    seconds=60,
+    seconds=50,
 )

@@ -66,5 +66,5 @@ BENCHMARK = Benchmark[PreprocessSize](
              System("tsv.gz", lambda size: Preprocess(size, gz=True))],
     unit="rows",
     isolated=True,
-    seconds=60,
+    seconds=50,
 )

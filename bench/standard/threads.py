@@ -42,5 +42,5 @@ BENCHMARK = Benchmark[TrainSize](
         "kaggle2048": TrainSize(model="dlrm_kaggle", rows=200_000, scale=0.001, batch=2048, steps=8, rounds=5),
     },
     systems=[system(n) for n in range(1, available_cores() + 1)],
-    seconds=50,
+    seconds=40,
 )

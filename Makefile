@@ -44,9 +44,9 @@ chaos: setup
 	$(BIN)/python -m bench.chaos_soak $(ARGS)
 
 # The standard set of benchmarks (bench/README.md), each appending its rows to
-# BENCHMARKS.md: at most 15 minutes on 2 idle cores (9.7 minutes of
-# measuring, each benchmark's rounds stopping when its share is spent, plus
-# set-up: data, tables, the predict benchmark's Kaggle-sized checkpoint). ARGS picks: `make bench ARGS=train`, `ARGS="threads --size
+# BENCHMARKS.md: about 15 minutes on 2 idle cores (10 minutes of time shares,
+# each benchmark's rounds stopping when its share is spent, plus set-up: data,
+# tables, the predict benchmark's Kaggle-sized checkpoint). ARGS picks: `make bench ARGS=train`, `ARGS="threads --size
 # kaggle2048"`, `ARGS="train --size smoke"` (smoke sizes print, never record);
 # `ARGS=--list` lists the set, its sizes and time shares.
 bench: setup

@@ -22,6 +22,7 @@ STANDARD = {
     "preprocess": "bench.standard.preprocess",
     "predict": "bench.standard.predict",
     "quality": "bench.standard.quality",
+    "distributed": "bench.standard.distributed",
 }
 
 

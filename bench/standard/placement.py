@@ -37,5 +37,5 @@ BENCHMARK = Benchmark[TrainSize](
         "standard": TrainSize(rows=400_000, scale=1.0, batch=1024, steps=20, rounds=5),
     },
     systems=[placed(p) for p in PLACEMENTS.values()],
-    seconds=90,
+    seconds=80,
 )

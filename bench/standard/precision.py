@@ -44,5 +44,5 @@ BENCHMARK = Benchmark[TrainSize](
         "standard": TrainSize(model="dlrm_small", rows=1_000_000, scale=0.01, batch=256, steps=200, rounds=5),
     },
     systems=[system(n) for n in PRECISIONS],
-    seconds=90,
+    seconds=80,
 )

@@ -106,5 +106,5 @@ BENCHMARK = Benchmark[QualitySize](
         "long": QualitySize(rows=100_000, rounds=5, warmup=0),
     },
     systems=[system(n) for n in SYSTEMS],
-    seconds=90,
+    seconds=70,
 )

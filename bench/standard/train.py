@@ -130,5 +130,5 @@ BENCHMARK = Benchmark[TrainSize](
         System("recsys in-memory", InMemoryRecsys),
         System("MLPs only", lambda size: Plain(size, with_embeddings=False)),
     ],
-    seconds=90,
+    seconds=80,
 )

@@ -57,7 +57,7 @@ def build(work: Path, rows: int, scale: float) -> None:
     from recsys_cli.config import TrainConfig
     from recsys_cli.embeddings.table_init import TableSpec, init_table
     from recsys_cli.model.dlrm import mlp
-    from recsys_cli.train.checkpoint import save_checkpoint
+    from recsys_cli.checkpoints import save_checkpoint
 
     cfg = synthetic.SyntheticConfig(rows=rows, cardinality_scale=scale, seed=0)
     synthetic.write_tsv(cfg, work / "raw.tsv")

@@ -54,8 +54,14 @@ verify: setup
 chaos: setup
 	$(BIN)/python -m bench.chaos_soak $(ARGS)
 
+# The standard set of benchmarks (bench/README.md), each appending its rows to
+# BENCHMARKS.md: about 15 minutes on 2 idle cores (10 minutes of time shares,
+# each benchmark's rounds stopping when its share is spent, plus set-up: data,
+# tables, the predict benchmark's Kaggle-sized checkpoint). ARGS picks: `make bench ARGS=train`, `ARGS="threads --size
+# kaggle2048"`, `ARGS="train --size smoke"` (smoke sizes print, never record);
+# `ARGS=--list` lists the set, its sizes and time shares.
 bench: setup
-	$(BIN)/python -m bench.run_all $(ARGS)
+	$(BIN)/python -m bench --record $(ARGS)
 
 # Memory that does not grow with the run: peak RSS at many steps vs few, each
 # in its own process (bench/soak_bench.py; a few minutes at its defaults).
@@ -72,7 +78,7 @@ bench-headline: setup
 # CUDA, placement timings and prefetch overlap; one CUDA GPU, ~4 minutes.
 # It runs in its own venv on the machine's torch (PYTHON: the Python whose
 # torch is built for its CUDA, >= 2.11), installed offline from wheels/, which
-# `make gpu-wheels` fills where there is network (bench/gpu_env.py).
+# `make gpu-wheels` fills where there is network (tools/gpu_env.py).
 PYTHON ?= python3
 GPU_VENV ?= .venv-gpu
 WHEELS ?= wheels
@@ -84,10 +90,10 @@ GPU_PLATFORMS ?= manylinux2014_x86_64,manylinux2014_aarch64
 
 gpu-wheels:
 	$(PY) -m venv $(WHEEL_TOOLS)
-	$(WHEEL_TOOLS)/bin/python bench/gpu_env.py wheels --dir $(WHEELS) --python-versions $(GPU_PYTHONS) --platforms $(GPU_PLATFORMS)
+	$(WHEEL_TOOLS)/bin/python tools/gpu_env.py wheels --dir $(WHEELS) --python-versions $(GPU_PYTHONS) --platforms $(GPU_PLATFORMS)
 
 gpu-env:
-	$(PYTHON) bench/gpu_env.py install --venv $(GPU_VENV) --wheels $(WHEELS)
+	$(PYTHON) tools/gpu_env.py install --venv $(GPU_VENV) --wheels $(WHEELS)
 
 gpu-check: gpu-env
 	$(GPU_VENV)/bin/python -m bench.gpu_check $(ARGS)

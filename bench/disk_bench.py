@@ -43,15 +43,13 @@ import time
 
 from omegaconf import OmegaConf
 
-from bench.train_bench import recsys_config
+from bench.standard.common import TrainSize, train_config
 from recsys_cli.train.trainer import Trainer
 
 
 def config(rows: int, scale: float, batch: int, steps: int, placement: dict, disk_path: str | None = None):
-    cfg = recsys_config(rows, batch, steps, placement)
-    cfg.dataset.synthetic.cardinality_scale = scale
-    cfg.trainer.eval_every = 0
-    cfg.trainer.checkpoint_every = 0
+    cfg = train_config(TrainSize(rows=rows, scale=scale, batch=batch),
+                       overrides={"placement": placement, "trainer.max_steps": steps})
     if disk_path:
         cfg.placement.disk_path = disk_path
     return cfg

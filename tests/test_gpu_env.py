@@ -1,4 +1,4 @@
-"""The device check's offline install (bench/gpu_env.py, make gpu-env /
+"""The device check's offline install (tools/gpu_env.py, make gpu-env /
 gpu-check / gpu-check-dry): the make target end to end from this test's
 Python with no index and no wheel folder (everything it needs is already
 installed here, so pip must find it without a download), the stamp that
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench.gpu_env as gpu_env
+import tools.gpu_env as gpu_env
 from test_gpu_check import assert_every_stage_passed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -111,7 +111,7 @@ def test_a_finished_trainer_is_freed_without_the_cycle_collector(tmp_path, place
 def test_split_predictions_hold_every_batch_in_order(tmp_path):
     """Evaluation collects logits into tensors allocated once per split (not
     a list of per-batch tensors, which kept the heap from reusing the space
-    around them: bench/eval_memory.py measures the process). What it returns
+    around them: BENCHMARKS.md, "Evaluation memory by phase"). What it returns
     is exactly the batches' logits and labels in split order."""
     import torch
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from bench.standard.train import split_tables
 from recsys_cli.config import TrainConfig
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
@@ -302,14 +303,7 @@ class Plain(System):
             self.sparse_optimizer = torch.optim.SGD([t.weight for t in self.model.tables], lr=setup.lr)
 
     def transform(self, batch: Batch) -> PeerBatch:
-        kjt = batch.sparse
-        offsets = kjt.offsets()
-        per_table = []
-        for f in range(len(kjt.keys)):
-            lo, hi = f * kjt.stride, (f + 1) * kjt.stride
-            start = offsets[lo]
-            per_table.append((kjt.values[start : offsets[hi]], offsets[lo:hi] - start))
-        return PeerBatch(batch, per_table)
+        return PeerBatch(batch, split_tables(batch))
 
     def step(self, peer: PeerBatch) -> torch.Tensor:
         loss = bce(self.model(peer.batch.dense, peer.inputs), peer.batch.labels)

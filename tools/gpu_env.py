@@ -1,7 +1,7 @@
 """The device check's environment, installed offline on a CUDA box.
 
-    python bench/gpu_env.py wheels  --dir wheels          (where there is network)
-    python bench/gpu_env.py install --venv .venv-gpu --wheels wheels   (on the box)
+    python tools/gpu_env.py wheels  --dir wheels          (where there is network)
+    python tools/gpu_env.py install --venv .venv-gpu --wheels wheels   (on the box)
 
 A GPU box typically has a Python whose torch is built for its CUDA, with
 numpy, pyarrow, rich, pytest and matplotlib, and no network. `wheels`
@@ -224,7 +224,7 @@ def install(venv: Path, wheels: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python bench/gpu_env.py")
+    parser = argparse.ArgumentParser(prog="python tools/gpu_env.py")
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("wheels", help="download the wheels a GPU box lacks (network)")
     w.add_argument("--dir", default="wheels")

@@ -117,6 +117,9 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
         message = one_line(e)
         if "'placement.overrides." in message:  # a free-form dict: new keys need a +
             message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+        if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
+            message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
+                        "is model.dense_precision=bf16)")
         raise UserError(f"bad configuration: {message}") from None
     extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
     if extra:

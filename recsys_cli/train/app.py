@@ -61,15 +61,20 @@ def train_main(cfg: DictConfig) -> float | None:
 
 
 def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
-    """The three files Hydra writes into .hydra/ (config, hydra, overrides)."""
+    """The three files Hydra writes into .hydra/ (config, hydra, overrides),
+    each renamed into place: a resume on several ranks reads overrides.yaml
+    while rank 0 rewrites it (resume_overrides.py)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
     hydra_cfg["output_subdir"] = _output_subdir
     for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
                        ("overrides.yaml", HydraConfig.get().overrides.task)):
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / name).write_text(OmegaConf.to_yaml(node))
+            tmp.write_text(OmegaConf.to_yaml(node))
+            os.replace(tmp, directory / name)
         except OSError as e:
+            tmp.unlink(missing_ok=True)
             raise write_error(directory / name, e) from None
 
 
@@ -202,6 +207,11 @@ def run_train_app(overrides: list[str]) -> None:
         print(train_help(overrides))
         return
     register_configs()
+    from recsys_cli.train.resume_overrides import say_restored, with_saved_overrides
+
+    restored = with_saved_overrides(overrides)  # trainer.resume: the resumed run's own overrides first
+    say_restored(restored)
+    overrides = restored.overrides
     cfg = check_overrides(overrides)
     check_places(overrides, cfg)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -130,6 +131,27 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
     validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
+    return cfg
+
+
+def train_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `recsys train OVERRIDES` runs (public API, recsys_cli.train_config):
+    configs/train.yaml with the overrides (group=option, key=value; the older
+    `+group=option` too) composed against the schema and checked as the
+    command checks it, for Trainer(cfg, run_dir=...). A misspelt key, a bad
+    value or a sweep is a UserError naming it."""
+    given = group_overrides(list(overrides))
+    odd = next((o for o in given if o.startswith("-") or o.lstrip("+").startswith("hydra.")), None)
+    if odd is not None:
+        raise UserError(f"train_config takes group=option and key=value overrides, not {odd!r}")
+    register_configs()
+    cfg = check_overrides(given)
+    assert cfg is not None  # no flags: check_overrides composed it
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeps = [o.input_line for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()]
+    if sweeps:
+        raise UserError(f"train_config composes one run: {sweeps[0]!r} is a sweep (recsys train -m)")
     return cfg
 
 

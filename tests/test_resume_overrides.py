@@ -135,3 +135,35 @@ def test_resume_last_alone_continues_the_run_bit_for_bit(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["final"] == final
     saved = (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text()
     assert "trainer.resume=last" in saved and "placement=lookahead" in saved  # what the resumed run composed
+
+
+def test_a_checkpoint_kept_elsewhere_gives_the_values_of_its_saved_config(tmp_path, monkeypatch):
+    """No run directory with saved overrides (checkpoints in trainer.checkpoint_dir,
+    a new hydra.run.dir): the checkpoint's saved config is the run's, and
+    every value where it differs from the command line's composition is
+    taken back as key=value; composing them gives the saved config again."""
+    from omegaconf import OmegaConf
+
+    from recsys_cli.config import register_configs
+    from recsys_cli.train.app import check_overrides
+
+    register_configs()
+    monkeypatch.chdir(tmp_path)
+    original = ["placement=lookahead", "precision=int8", "optimizer=adagrad", "trainer.max_steps=20",
+                "+placement.overrides.C3=host", "model.bottom_mlp=[64,32,16]", "dataset.synthetic.rows=3000"]
+    saved = OmegaConf.to_container(check_overrides(original), resolve=True)
+    saved["dataset"]["path"] = "/data/it's a dir, [1]\\"  # a quote, a comma, brackets, a final backslash
+    (tmp_path / "ck").mkdir()
+    torch.save({"config": saved, "step": 10}, tmp_path / "ck" / "step-00000010.pt")
+    (tmp_path / "ck" / "latest.json").write_text(json.dumps({"file": "step-00000010.pt", "step": 10}))
+    given = ["trainer.resume=last", "trainer.checkpoint_dir=ck", "hydra.run.dir=new", "trainer.max_steps=30"]
+
+    restored = with_saved_overrides(given, check_overrides)
+    assert {"placement.kind=lookahead", "precision.kind=int8", "optimizer.name=adagrad",
+            "+placement.overrides.C3=host", "model.bottom_mlp=[64,32,16]"} <= set(restored.taken), restored.taken
+    assert not any(t.startswith(("trainer.max_steps", "trainer.resume", "trainer.checkpoint_dir"))
+                   for t in restored.taken)
+    assert restored.line().startswith("took the values of ck/step-00000010.pt's saved config that differ: ")
+    again = OmegaConf.to_container(check_overrides(restored.overrides), resolve=True)
+    saved["trainer"].update(max_steps=30, resume="last", checkpoint_dir="ck")
+    assert again == saved

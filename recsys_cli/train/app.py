@@ -231,7 +231,7 @@ def run_train_app(overrides: list[str]) -> None:
     register_configs()
     from recsys_cli.train.resume_overrides import say_restored, with_saved_overrides
 
-    restored = with_saved_overrides(overrides)  # trainer.resume: the resumed run's own overrides first
+    restored = with_saved_overrides(overrides, check_overrides)  # trainer.resume: the resumed run's overrides first
     say_restored(restored)
     overrides = restored.overrides
     cfg = check_overrides(overrides)

@@ -16,9 +16,11 @@ where its checkpoints are). Otherwise the checkpoint is found as the
 trainer finds it (restore.locate_resume, from trainer.resume,
 trainer.checkpoint_dir and hydra.run.dir as given), and its run directory
 is the folder above its checkpoints/ directory, else hydra.run.dir's.
-Neither has .hydra/overrides.yaml: nothing is taken (the checkpoint's
-config check still refuses a different model). Sweeps (-m) take nothing:
-each job names its own values.
+Neither has .hydra/overrides.yaml (a checkpoint kept elsewhere, a run
+saved with hydra.output_subdir=null): the checkpoint's own saved config
+says the run's values, and every key where it differs from what the command
+line composes is taken as key=value (from_checkpoint_config). Sweeps (-m)
+take nothing: each job names its own values.
 
 Only the launching process says what it took (RANK 0 or no RANK): torchrun's
 other ranks compute the same overrides from the same files, silently.
@@ -27,8 +29,10 @@ other ranks compute the same overrides from the same files, silently.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from recsys_cli.errors import UserError
 
@@ -44,7 +48,7 @@ class Restored:
     """The command line a resume composes, and what it says about it."""
 
     overrides: list[str]  # the run's overrides taken, then the command line's
-    source: Path | None = None  # the overrides.yaml read (None: nothing to take)
+    source: Path | None = None  # the overrides.yaml or checkpoint read (None: nothing to take)
     taken: list[str] = field(default_factory=list)  # saved overrides added to the command line
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (saved, given): the command line's wins
 
@@ -54,7 +58,9 @@ class Restored:
             return ""
         if not self.taken and not self.replaced:
             return f"the command line repeats every override of {self.source}"
-        words = [f"took the run's overrides from {self.source}: " + (" ".join(self.taken) or "none")]
+        where = (f"the run's overrides from {self.source}" if self.source.name == SAVED.name
+                 else f"the values of {self.source}'s saved config that differ")
+        words = [f"took {where}: " + (" ".join(self.taken) or "none")]
         if self.replaced:
             words.append("the command line's " + ", ".join(f"{given} (not {saved})" for saved, given in self.replaced)
                          + (" wins" if len(self.replaced) == 1 else " win"))
@@ -98,9 +104,11 @@ def run_overrides_file(checkpoint: Path | None, run_dir: Path | None) -> Path | 
     return next((c for c in candidates if c.is_file()), None)
 
 
-def with_saved_overrides(overrides: list[str]) -> Restored:
+def with_saved_overrides(overrides: list[str], compose: Callable[[list[str]], Any] | None = None) -> Restored:
     """`overrides` (a `recsys train` command line, old group spellings
-    already rewritten) with the resumed run's own overrides in front."""
+    already rewritten) with the resumed run's own overrides in front.
+    `compose(overrides)`: the config they compose (train/app.check_overrides),
+    for a checkpoint whose run saved no overrides (from_checkpoint_config)."""
     resume = _given(overrides, RESUME_KEY)
     if resume in (None, "", "null", "~", "false", "False") or any(o in ("-m", "--multirun") for o in overrides):
         return Restored(list(overrides))
@@ -122,6 +130,8 @@ def with_saved_overrides(overrides: list[str]) -> Restored:
         except UserError:  # the trainer says so, with the overrides as given
             checkpoint = None
         source = run_overrides_file(checkpoint, run_dir)
+        if source is None and checkpoint is not None and compose is not None:
+            return from_checkpoint_config(checkpoint, overrides, compose)
     if source is None:
         return Restored(list(overrides))
     given_keys = {key_of(o) for o in overrides}
@@ -137,6 +147,74 @@ def with_saved_overrides(overrides: list[str]) -> Restored:
         if given != saved:
             replaced.append((saved, given))
     return Restored([*taken, *overrides], source, taken, replaced)
+
+
+def from_checkpoint_config(checkpoint: Path, overrides: list[str], compose: Callable[[list[str]], Any]) -> Restored:
+    """The values of the checkpoint's saved config (what the run trained
+    with, resolved) that differ from what `overrides` compose, as key=value
+    overrides in front of them; a key the command line sets, or a group it
+    picks, is the command line's."""
+    from recsys_cli import safe_load
+
+    saved = safe_load.torch_file(checkpoint, mmap=True).get("config")  # tensors mapped, not read
+    if not isinstance(saved, dict):
+        return Restored(list(overrides))  # a checkpoint from before configs were saved
+    composed = compose(list(overrides))
+    given = {key_of(o) for o in overrides}
+    taken = [o for o in _differences(saved, composed) if key_of(o) not in NOT_TAKEN and not any(
+        key_of(o) == g or key_of(o).startswith(g + ".") or g.startswith(key_of(o) + ".") for g in given)]
+    return Restored([*taken, *overrides], checkpoint, taken, [])
+
+
+def _differences(saved: dict, now: Any, prefix: str = "") -> list[str]:
+    """Overrides that turn the composed config `now` into `saved` where they
+    differ, through the schema's groups; a free-form dict of the schema
+    (placement.overrides) key by key, added with + and removed with ~ (its
+    struct takes no new key otherwise); keys the schema no longer has are
+    left out."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out: list[str] = []
+    for key, value in saved.items():
+        if key not in now:
+            continue
+        node = now[key]
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is not dict:  # a group of the schema
+            if isinstance(value, dict):
+                out += _differences(value, node, f"{prefix}{key}.")
+            continue
+        here: Any = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        if isinstance(value, dict) and isinstance(here, dict):  # free-form: its own keys
+            out += [f"{'' if k in here else '+'}{prefix}{key}.{k}={_override_value(v)}"
+                    for k, v in value.items() if k not in here or here[k] != v]
+            out += [f"~{prefix}{key}.{k}" for k in here if k not in value]
+        elif value != here:
+            out.append(f"{prefix}{key}={_override_value(value)}")
+    return out
+
+
+_BARE = re.compile(r"[A-Za-z_/.~][\w./:~-]*")
+
+
+def _override_value(value: Any) -> str:
+    """`value` as Hydra's override grammar reads it back (a string quoted
+    unless it is a plain word or path that reads as itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _BARE.fullmatch(text) and text.lower() not in ("true", "false", "null", "nan", "inf"):
+        return text
+    # Hydra's quoted strings: a quote is escaped, and so are backslashes before a quote or the end
+    escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text).replace("'", "\\'")
+    return f"'{escaped}'"
 
 
 def say_restored(restored: Restored) -> None:

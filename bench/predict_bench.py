@@ -61,7 +61,7 @@ def build(work: Path, rows: int) -> tuple[Path, Path, Path]:
         data.mkdir(parents=True, exist_ok=True)
         entry = vocab.write_vocabulary(data, CRITEO_SPARSE, values, ids, {"mode": "vocabulary", "min_count": 1})
         Manifest(source="criteo", sparse_features=[SparseFeature(n, v) for n, v in zip(CRITEO_SPARSE, sizes)],
-                 splits={}, options={"vocabulary": entry, "split": "none"}).save(data)
+                 splits={}, options={"vocabulary": entry, "split_by": "none"}).save(data)
     ckpt = work / "checkpoints"
     if not (ckpt / "latest.json").exists():
         tc = OmegaConf.structured(TrainConfig)
@@ -146,7 +146,7 @@ def child_export(ckpt: str, precision: str, out: str) -> dict:
     from recsys_cli.export import ExportConfig, export
 
     t = time.perf_counter()
-    r = export(ExportConfig(checkpoint=ckpt, precision=precision, output=out))
+    r = export(ExportConfig(checkpoint=ckpt, convert=precision, output=out))
     Path(out).unlink()
     return {"bytes": r["bytes"], "table_bytes": r["table_bytes"], "seconds": time.perf_counter() - t}
 

@@ -27,7 +27,7 @@ Each fault is armed only once the run has written a checkpoint newer than the
 one it resumed from, so every attempt makes progress. At the end: the final
 checkpoint of `chaos` equals `ref`'s tensor for tensor (torch.equal, the
 helpers of tests/test_resume_exact.py), metrics.jsonl and summary.json's
-final metrics are the same, `recsys verify chaos` passes, no temporary file
+final metrics are the same, `recsys verify input=chaos` passes, no temporary file
 (a name with `.tmp`) is left in the run directory, and no `.lock` there is
 still held (the lock file stays by design, recsys_cli/train/rundir.py: the
 kernel drops a dead holder's flock). Steps redone = for each fault, the last
@@ -364,7 +364,7 @@ class Soak:
         out["metrics.jsonl equal"] = "yes" if records(ref) == records(chaos) else "NO"
         final = lambda run: json.loads((run / "summary.json").read_text())["final"]  # noqa: E731
         out["final metrics equal"] = "yes" if final(ref) == final(chaos) else "NO"
-        v = subprocess.run([RECSYS, "verify", str(chaos)], cwd=self.work, env=env_for(self.work), capture_output=True,
+        v = subprocess.run([RECSYS, "verify", f"input={chaos}"], cwd=self.work, env=env_for(self.work), capture_output=True,
                            text=True)
         out["verify"] = "passes" if v.returncode == 0 else f"exit {v.returncode}: {v.stderr.strip()[-300:]}"
         leftovers = sorted(str(p.relative_to(chaos)) for p in chaos.rglob("*") if ".tmp" in p.name)

@@ -26,11 +26,11 @@ Dense: log(1 + max(x, 0)) as float32, missing -> 0. Label: float32 (or int8
 with label_dtype=int8); must be in [0, 1] (0 or 1 for int8).
 
 Splits (rows in input order, after dropping skipped lines):
-  * split=kaggle (default): DLRM's. 7 equal "days" (total // 7 rows each, the
+  * split_by=kaggle (default): DLRM's. 7 equal "days" (total // 7 rows each, the
     first total % 7 days one row more); train = days 0-5; the last day is
     halved as numpy.array_split does: first (larger) half test, second half val.
-  * split=ratios ratios=[a,b,c]: consecutive train/val/test ranges in proportion.
-  * split=none: one split, "all", of every row.
+  * split_by=ratios split_ratios=[a,b,c]: consecutive train/val/test ranges in proportion.
+  * split_by=none: one split, "all", of every row.
   In the one-pass modes the row count is known only at the end: rows are staged in
   file order and moved (or, for the at most two files that straddle a split
   boundary, rewritten) into their split.

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from data_tools import shards as sh
 from data_tools.errors import UserError
 
-ALL_SPLIT = "all"  # the one split of split=none
+ALL_SPLIT = "all"  # the one split of split_by=none
 
 
 @dataclass
@@ -24,10 +24,12 @@ class CriteoConfig:
     # Hashing mode instead (one pass): id = 1 + value % (hash_buckets - 1), missing -> 0.
     hash_buckets: Optional[int] = None
     label_dtype: str = "float32"  # the label column's type: float32 | int8
-    # kaggle (DLRM: 7 days, the last day halved into test and val) | ratios
-    # (see ratios) | none (one split, "all", of every row)
-    split: str = "kaggle"
-    ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])  # train, val, test for split=ratios
+    # How rows are cut into splits: kaggle (DLRM: 7 days, the last day halved
+    # into test and val) | ratios (see split_ratios) | none (one split, "all",
+    # of every row). Once `split=`: in predict and evaluate split= names one split.
+    split_by: str = "kaggle"
+    # train, val, test for split_by=ratios (the synthetic data's word); once `ratios=`.
+    split_ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     on_error: str = "raise"  # a malformed line: raise (stop naming file, line, column) | skip (drop and count)
     row_group_rows: int = sh.DEFAULT_ROW_GROUP_ROWS  # rows per parquet row group
     shard_rows: int = sh.DEFAULT_SHARD_ROWS  # rows per shard file
@@ -51,10 +53,10 @@ def validate(cfg: CriteoConfig) -> None:
         raise UserError("output=DIR is required")
     if cfg.label_dtype not in ("float32", "int8"):
         raise UserError(f"label_dtype must be float32 or int8, got {cfg.label_dtype!r}")
-    if cfg.split not in ("kaggle", "ratios", "none"):
-        raise UserError(f"split must be kaggle, ratios or none, got {cfg.split!r}")
-    if cfg.split == "ratios":
-        sh.ratio_ranges(1, cfg.ratios)
+    if cfg.split_by not in ("kaggle", "ratios", "none"):
+        raise UserError(f"split_by must be kaggle, ratios or none, got {cfg.split_by!r}")
+    if cfg.split_by == "ratios":
+        sh.ratio_ranges(1, cfg.split_ratios)
     if cfg.on_error not in ("raise", "skip"):
         raise UserError(f"on_error must be raise or skip, got {cfg.on_error!r}")
     if cfg.min_count < 1:

@@ -31,9 +31,9 @@ from data_tools.u32map import U32Map
 
 
 def _ranges(cfg: CriteoConfig, total: int) -> list[tuple[str, int, int]]:
-    if cfg.split == "none":
+    if cfg.split_by == "none":
         return [(ALL_SPLIT, 0, total)]
-    return sh.kaggle_ranges(total) if cfg.split == "kaggle" else sh.ratio_ranges(total, cfg.ratios)
+    return sh.kaggle_ranges(total) if cfg.split_by == "kaggle" else sh.ratio_ranges(total, cfg.split_ratios)
 
 
 def _ids_table(schema: pa.Schema, d: DecodedBlock, ids: list[np.ndarray], label_type) -> pa.Table:
@@ -204,7 +204,7 @@ def mapped_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, progre
         raise
     if total == 0:
         raise reader.no_valid_rows()
-    names = (ALL_SPLIT,) if cfg.split == "none" else SPLITS
+    names = (ALL_SPLIT,) if cfg.split_by == "none" else SPLITS
     splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg, names)
     shutil.rmtree(tmp / "_staging", ignore_errors=True)
     return splits, skipped, unseen

@@ -238,7 +238,7 @@ class SplitWriter:
     (split, start, end) row ranges covering [0, total) without overlap, e.g.
     [("train", 0, b0), ("val", b0, b1), ("test", b1, total)]. The splits are
     train, val and test, or the ones `ranges` names when it names another
-    (split=none's one split, "all"). Splits with zero rows get no files but
+    (split_by=none's one split, "all"). Splits with zero rows get no files but
     are in the result."""
 
     def __init__(

@@ -1,8 +1,12 @@
-"""The `recsys` command: `recsys train ...`, `recsys preprocess SOURCE ...`, `recsys report DIR`,
-`recsys predict|evaluate|export key=value ...`.
+"""The `recsys` command: `recsys COMMAND key=value ...` for every command.
 
-Each subcommand is a Hydra app over configs/; the word after `recsys` picks it
-and the remaining arguments are Hydra overrides.
+One grammar (issue 42 item 4): the word after `recsys` picks the command and
+every other argument is a key=value override of the command's structured
+config (a dataclass), merged by OmegaConf: train and preprocess through
+Hydra's composition (config groups, sweeps), predict, evaluate, export,
+report and verify through options.parse_options. A misspelt key or a bad
+value is one line naming it, exit 2, for every command; a renamed key's old
+spelling still works with one `deprecated:` line.
 """
 
 from __future__ import annotations
@@ -13,18 +17,18 @@ import sys
 from recsys_cli import determinism, wait_policy
 from recsys_cli.errors import UserError, fail, write_error
 
-USAGE = """usage: recsys COMMAND [hydra overrides]
+USAGE = """usage: recsys COMMAND key=value ...
        recsys --version
 
 commands:
   train                 train DLRM (recsys train placement=lookahead optimizer.lr=0.1)
   preprocess criteo     raw Criteo TSV -> parquet shards + manifest (input=PATH output=DIR)
   preprocess synthetic  synthetic Criteo-like data (rows=N output=DIR [format=tsv])
-  report                table, CSV and plots of a run or sweep directory (recsys report DIR)
+  report                table, CSV and plots of a run or sweep directory (input=DIR [output=DIR])
   predict               score raw TSV or a dataset with a checkpoint (checkpoint=RUN input=PATH output=preds.csv)
   evaluate              metrics and ROC/calibration plots of a checkpoint on a split (checkpoint=RUN [split=test])
-  export                an inference artifact (checkpoint=RUN precision=fp32|fp16|int8|int4 format=pt2|module)
-  verify                check a dataset's shards against its manifest, or a run's checkpoints (recsys verify DIR)
+  export                an inference artifact (checkpoint=RUN convert=fp32|fp16|int8|int4 format=pt2|module)
+  verify                check a dataset's shards against its manifest, or a run's checkpoints (input=DIR)
 
 `recsys COMMAND --help`: the command's purpose, its keys with their defaults and meaning, and examples;
 sweeps: recsys train -m key=a,b

@@ -252,8 +252,9 @@ class TrainerConfig:
     checkpoint_every: Optional[int] = 1000  # a checkpoint every N steps (null: none during the run)
     final_checkpoint: bool = True  # also write one at the end of the run (false: a run that keeps no model)
     checkpoint_dir: Optional[str] = None  # where checkpoints go (default: <run dir>/checkpoints)
-    # "true" resumes from checkpoint_dir's latest checkpoint, a path from that
-    # checkpoint (file or directory).
+    # "last" resumes from checkpoint_dir's latest checkpoint ("true" too), a path
+    # from that checkpoint (file or directory); `recsys train` takes the resumed
+    # run's own overrides (its .hydra/overrides.yaml), an override given again wins.
     resume: Optional[str] = None
     # Start a new run from this checkpoint's weights and optimizer state (a
     # file or directory) on a dataset with the same vocabulary, e.g. the next

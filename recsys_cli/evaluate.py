@@ -1,4 +1,4 @@
-"""`recsys evaluate checkpoint=RUN_OR_FILE [dataset=DIR] [split=test] [output=DIR]`
+"""`recsys evaluate checkpoint=RUN_OR_FILE [input=DIR] [split=test] [output=DIR]`
 
 Scores a split of a labelled dataset (default: the checkpoint's own dataset,
 its test split, else val) with the checkpoint and writes, into output
@@ -15,7 +15,7 @@ its test split, else val) with the checkpoint and writes, into output
 
 The metrics are the trainer's (recsys_cli/train/metrics.py), computed from
 the same logits: evaluating a finished run's checkpoint on its val split
-gives the val AUC of its summary. precision= scores with the tables
+gives the val AUC of its summary. convert= scores with the tables
 converted (e.g. int8, to see what an int8 export costs). The directory is
 built under a temporary name and renamed into place.
 """
@@ -33,9 +33,10 @@ from typing import Literal, Optional
 
 import torch
 
+from recsys_cli.config import DeviceChoice, PrecisionKind
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
-from recsys_cli.options import help_text, parse_options, require, wants_help
+from recsys_cli.options import CONVERT_RENAMED, Renamed, plain_word, help_text, parse_options, require, wants_help
 
 RESULT = "evaluation.json"
 
@@ -43,13 +44,14 @@ RESULT = "evaluation.json"
 @dataclass
 class EvaluateConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
-    dataset: Optional[str] = None  # the labelled dataset directory to score (default: the checkpoint's own)
+    input: Optional[str] = None  # the labelled dataset directory to score (default: the checkpoint's own)
     split: Optional[str] = None  # the split to score (default: test, else val)
     output: Optional[str] = None  # the directory to write (default: <run dir>/evaluate-<split>)
     bins: int = 10  # calibration bins over the predicted probability
     batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
-    device: str = "auto"  # auto | cpu | cuda
-    precision: Optional[str] = None  # score with the tables converted: fp32 | fp16 | int8 | int4 (default: as trained)
+    device: DeviceChoice = DeviceChoice.auto  # auto (cuda when there is one) | cpu | cuda
+    # Score with the tables converted to fp32 | fp16 | int8 | int4 (default: as trained).
+    convert: Optional[PrecisionKind] = None
     plots: bool = True  # write roc.png and calibration.png (false: evaluation.json only)
     progress: bool = True  # a progress bar on a terminal
 
@@ -123,10 +125,10 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
         raise UserError(f"bins must be >= 1, got {cfg.bins}")
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
-    loaded = load_model(checkpoint, cfg.device, cfg.precision)
-    dataset = Path(cfg.dataset).expanduser() if cfg.dataset else loaded.dataset_dir
+    loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
+    dataset = Path(cfg.input).expanduser() if cfg.input else loaded.dataset_dir
     if dataset is None:
-        raise UserError(f"{loaded.checkpoint} does not say which dataset it was trained on: give dataset=DIR")
+        raise UserError(f"{loaded.checkpoint} does not say which dataset it was trained on: give input=DIR")
     manifest = check_dataset(loaded, dataset)
     if not manifest.labelled:
         raise UserError(f"{dataset} has no labels (preprocessed with labels=false): use `recsys predict` on it")
@@ -182,11 +184,14 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
 
 
 EXAMPLES = ("recsys evaluate checkpoint=outputs/run",
-            "recsys evaluate checkpoint=outputs/run/checkpoints split=val precision=int8 output=eval-int8")
+            "recsys evaluate checkpoint=outputs/run/checkpoints split=val convert=int8 output=eval-int8")
+# Old spellings (issue 42 item 4): dataset= picks a config group in `recsys train`.
+RENAMED = (Renamed("dataset", "input", "dataset= picks a config group in `recsys train`; input= is the directory "
+                                       "read, as in `recsys predict`"), CONVERT_RENAMED)
 
 
 def run_evaluate(overrides: list[str]) -> None:
     if wants_help(overrides):
         print(help_text("evaluate", __doc__ or "", EXAMPLES, schema=EvaluateConfig))
         return
-    evaluate(parse_options(EvaluateConfig, overrides, "evaluate"))
+    evaluate(parse_options(EvaluateConfig, overrides, "evaluate", RENAMED))

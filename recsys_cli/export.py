@@ -1,4 +1,4 @@
-"""`recsys export checkpoint=RUN_OR_FILE [precision=fp32|fp16|int8|int4] [format=pt2|module] [output=FILE] [vocab=DIR]`
+"""`recsys export checkpoint=RUN_OR_FILE [convert=fp32|fp16|int8|int4] [format=pt2|module] [output=FILE] [vocab=DIR]`
 
 An inference artifact that holds the MLPs, every table and the dataset's
 mapping of raw values to ids, so it scores raw Criteo fields. Two formats:
@@ -13,7 +13,7 @@ mapping of raw values to ids, so it scores raw Criteo fields. Two formats:
   format=module (RUN/model-<precision>.scorer.pt): one torch.save file of
     plain values and tensors (torch.load(weights_only=True) reads it; no
     pickled code): the same metadata, what rebuilds the scoring module
-    (the DLRM's shapes, the tables in `precision`, the mapping) and its
+    (the DLRM's shapes, the tables in `convert`'s precision, the mapping) and its
     state dict. The fastest to load (torch.export's reader is not
     imported), but it needs recsys installed: the module is rebuilt from
     recsys's own classes.
@@ -49,7 +49,7 @@ a dataset without raw values (synthetic) takes its ids as they are (missing
 or -1 -> 0). An fp32 artifact scores raw rows bit for bit like `recsys
 predict` on them at the same batch size and thread count (tested).
 
-Tables are stored in `precision` (converted from the checkpoint's, by
+Tables are stored in `convert`'s precision (converted from the checkpoint's, by
 nearest rounding when going down): fp32 and fp16 rows, or int8 / int4 codes
 with one fp16 scale and bias per row (FBGEMM's fused inference rows: value =
 code * scale + bias; int4 packs two codes a byte). fp32 from an fp32 run
@@ -74,7 +74,7 @@ from torch import nn
 
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
-from recsys_cli.options import help_text, parse_options, require, wants_help
+from recsys_cli.options import CONVERT_RENAMED, help_text, parse_options, require, wants_help
 
 METADATA = "recsys.json"
 M = TypeVar("M", bound=nn.Module)
@@ -85,7 +85,9 @@ FORMATS = {"pt2": ".pt2", "module": ".scorer.pt"}  # format -> the default outpu
 @dataclass
 class ExportConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory (required)
-    precision: str = "fp32"  # the tables' precision in the artifact: fp32 | fp16 | int8 | int4
+    # The tables' precision in the artifact: fp32 | fp16 | int8 | int4 (a plain string, checked by
+    # export(): recsys_cli.config's choices would import Hydra into load_scorer's readers).
+    convert: str = "fp32"
     format: str = "pt2"  # pt2: one torch.export program, torch alone loads it | module: fastest load, needs recsys
     # The file to write (default: <run dir>/model-<precision>.pt2; format=module: .scorer.pt).
     output: Optional[str] = None
@@ -272,21 +274,21 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
 
     console = console or Console(stderr=True, highlight=False)
     require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
-    if cfg.precision not in INFERENCE_PRECISIONS:
-        raise UserError(f"precision={cfg.precision!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
+    if cfg.convert not in INFERENCE_PRECISIONS:
+        raise UserError(f"convert={cfg.convert!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
     if cfg.format not in FORMATS:
         raise UserError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}")
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
     with _phase(console, f"export: loading {cfg.checkpoint}", f"export: loaded {cfg.checkpoint}"):
-        loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.precision)
+        loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.convert)
     multi_hot = _multi_hot(loaded)
     if multi_hot:
         raise UserError(f"export scores one-hot features only; {loaded.checkpoint} has multi-hot features "
                         f"{', '.join(multi_hot)}")
     run_dir = loaded.checkpoint.parent.parent if loaded.checkpoint.parent.name == "checkpoints" else loaded.checkpoint.parent
     suffix = FORMATS[cfg.format]
-    output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.precision}{suffix}"
+    output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"model-{cfg.convert}{suffix}"
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model{suffix})")
     hold.enter_context(locked_output(output, "output", "export"))  # one writer; an unwritable place said now
@@ -302,7 +304,7 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
         "mapping": raw_ids.mode,
         "returns": "float32 [B]: click probability",
         "features": loaded.features,
-        "precision": cfg.precision,
+        "precision": cfg.convert,
         "table_bytes": loaded.tables.nbytes(),
         "checkpoint": str(loaded.checkpoint),
         "step": loaded.state.get("step"),
@@ -333,7 +335,7 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     size = output.stat().st_size
     how = ("torch.export.load(path).module()" if cfg.format == "pt2"
            else "recsys_cli.export.load_scorer(path)")
-    say(console, f"{output} ({size / 2**20:,.2f} MiB; tables {cfg.precision} "
+    say(console, f"{output} ({size / 2**20:,.2f} MiB; tables {cfg.convert} "
                  f"{meta['table_bytes'] / 2**20:,.2f} MiB), load with {how}", "export:")
     return {"output": str(output), "bytes": size, **meta}
 
@@ -477,11 +479,11 @@ def load_metadata(path: str | Path) -> dict:
 
 
 EXAMPLES = ("recsys export checkpoint=outputs/run",
-            "recsys export checkpoint=outputs/run precision=int8 format=module output=model.scorer.pt")
+            "recsys export checkpoint=outputs/run convert=int8 format=module output=model.scorer.pt")
 
 
 def run_export(overrides: list[str]) -> None:
     if wants_help(overrides):
         print(help_text("export", __doc__ or "", EXAMPLES, schema=ExportConfig))
         return
-    export(parse_options(ExportConfig, overrides, "export"))
+    export(parse_options(ExportConfig, overrides, "export", (CONVERT_RENAMED,)))

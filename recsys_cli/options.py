@@ -1,13 +1,21 @@
-"""key=value options of the commands that are not Hydra apps (predict, evaluate, export),
-and the `--help` of every command (help_text).
+"""key=value options of the commands that are not Hydra apps (predict, evaluate,
+export, report, verify), the renamed keys' old spellings, and the `--help`
+of every command (help_text).
 
-The options are a dataclass; an unknown key or a value of the wrong type is
-a UserError naming the key, before any work.
+The options are a dataclass, merged with the command line by OmegaConf as
+Hydra merges train's and preprocess's (compose_errors words the errors for
+all of them): an unknown key or a value of the wrong type is one line naming
+the key, before any work.
+
+One word, one meaning across commands (issue 42 item 4): a key that meant
+something else in another command was renamed, and its old spelling still
+works with one `deprecated:` line on stderr (Renamed, apply_renames).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
 from recsys_cli.errors import UserError
@@ -17,6 +25,51 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="DataclassInstance")  # a schema: a dataclass
 V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A key's old spelling: `old=value` is read as `new=value` with one
+    `deprecated:` line saying why the word changed."""
+
+    old: str
+    new: str
+    why: str  # what the old word means elsewhere (the clash the rename removes)
+
+
+# predict, evaluate and export: precision= stores train's tables; these convert them.
+CONVERT_RENAMED = Renamed("precision", "convert", "precision= is how `recsys train` stores the tables; here they are "
+                                                  "converted for scoring")
+
+
+def plain_word(value: Any) -> str | None:
+    """An optional closed choice (config.Choice) as the plain string it
+    spells: what goes into files read with weights_only."""
+    return None if value is None else str(value)
+
+
+def apply_renames(overrides: Sequence[str], renamed: Sequence[Renamed], command: str) -> list[str]:
+    """`overrides` with every old spelling replaced by its new one (a
+    dotted key below it too: `old.x=` -> `new.x=`), one deprecation line
+    on stderr per old key used."""
+    from recsys_cli.errors import error_line
+
+    out = []
+    said: set[str] = set()
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        bare = key.lstrip("+")
+        for r in renamed:
+            if eq and (bare == r.old or bare.startswith(r.old + ".")):
+                new_key = r.new + bare[len(r.old):]
+                if r.old not in said:
+                    error_line(f"`recsys {command} {r.old}=` is now {r.new}= ({r.why}); the old spelling "
+                               "still works and will be removed", "deprecated:", "yellow")
+                    said.add(r.old)
+                o = f"{key[:len(key) - len(bare)]}{new_key}={value}"
+                break
+        out.append(o)
+    return out
 
 
 def field_help(schema: type) -> dict[str, str]:
@@ -145,24 +198,65 @@ def wants_help(args: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in args)
 
 
-def parse_options(schema: type[T], overrides: list[str], command: str) -> T:
+def old_arguments(args: Sequence[str], command: str, positional: str, flags: dict[str, str] | None = None,
+                  switches: dict[str, str] | None = None) -> list[str]:
+    """The spellings before key=value (report's and verify's positional DIR,
+    report's --out DIR and --no-plots) as key=value, one `deprecated:` line
+    each: a word without `=` is `positional=word`, a flag of `flags` takes
+    the next word (or `--flag=word`) as its key's value, a switch of
+    `switches` is the key=value it stands for. Anything else is left for
+    parse_options to refuse."""
+    from recsys_cli.errors import error_line
+
+    flags, switches = flags or {}, switches or {}
+    out: list[str] = []
+
+    def deprecated(old: str, new: str) -> None:
+        error_line(f"`recsys {command} {old}` is now `recsys {command} {new}`; the old spelling still works and "
+                   "will be removed", "deprecated:", "yellow")
+
+    words = list(args)
+    while words:
+        word = words.pop(0)
+        flag, eq, value = word.partition("=")
+        if flag in flags:
+            if not eq:
+                if not words:
+                    raise UserError(f"`recsys {command} {flag}` needs a value: {flags[flag]}=VALUE")
+                value = words.pop(0)
+            deprecated(f"{flag} {value}", f"{flags[flag]}={value}")
+            out.append(f"{flags[flag]}={value}")
+        elif word in switches:
+            deprecated(word, switches[word])
+            out.append(switches[word])
+        elif not eq and not word.startswith("-") and not any(o.startswith(positional + "=") for o in out):
+            deprecated(word, f"{positional}={word}")
+            out.append(f"{positional}={word}")
+        else:
+            out.append(word)
+    return out
+
+
+def parse_options(schema: type[T], overrides: list[str], command: str, renamed: Sequence[Renamed] = ()) -> T:
+    """The command's options: `schema`'s defaults merged with the key=value
+    `overrides` (old spellings in `renamed` first read as their new keys)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.compose_errors import one_line
 
     known = ", ".join(f.name for f in dataclasses.fields(schema))
     for o in overrides:
         if "=" not in o:
             raise UserError(f"`recsys {command}` takes key=value options, got {o!r} (options: {known})")
+    overrides = apply_renames(overrides, renamed, command)
     base = OmegaConf.structured(schema)
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         obj: Any = OmegaConf.to_object(merged)
-    except ConfigKeyError as e:
-        raise UserError(f"unknown option '{e.full_key or e.key}' for `recsys {command}` (options: {known})") from None
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        msg = str(e).splitlines()[0]
-        raise UserError(f"bad value for '{key}': {msg}" if key else msg) from None
+        raise UserError(one_line(e, lambda key: f"unknown option '{key}' for `recsys {command}` (options: {known})"))\
+            from None
     return obj
 
 

@@ -29,10 +29,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from recsys_cli.config import DeviceChoice, PrecisionKind
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
 from recsys_cli.locks import locked_output
-from recsys_cli.options import help_text, parse_options, require, wants_help
+from recsys_cli.options import CONVERT_RENAMED, plain_word, help_text, parse_options, require, wants_help
 
 
 @dataclass
@@ -47,8 +48,9 @@ class PredictConfig:
     id_name: str = "Id"  # the id column's name
     prob_name: str = "Predicted"  # the probability column's name
     batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
-    device: str = "auto"  # auto | cpu | cuda
-    precision: Optional[str] = None  # tables' precision (default: as trained)
+    device: DeviceChoice = DeviceChoice.auto  # auto (cuda when there is one) | cpu | cuda
+    # Score with the tables converted to fp32 | fp16 | int8 | int4 (default: as trained).
+    convert: Optional[PrecisionKind] = None
     block_size: int = 8 << 20  # bytes of raw text parsed at a time
     # torch intra-op threads; default half the cores: the other half parse (measured on 2 cores: 1 thread
     # scores 5x faster than 2, whose parallel regions stall whenever the parser threads hold a core)
@@ -62,7 +64,7 @@ class PredictConfig:
 def split_order(manifest) -> list[str]:
     """The dataset's splits in the order their rows had in the input."""
     order = {"kaggle": ["train", "test", "val"], "ratios": ["train", "val", "test"]}.get(
-        manifest.options.get("split"), list(manifest.splits))
+        manifest.options.get("split_by", manifest.options.get("split")), list(manifest.splits))  # "split": older datasets
     return [s for s in order if s in manifest.splits and manifest.splits[s].rows > 0]
 
 
@@ -286,7 +288,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
-    loaded = load_model(checkpoint, cfg.device, cfg.precision)
+    loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
     batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
@@ -345,4 +347,4 @@ def run_predict(overrides: list[str]) -> None:
     if wants_help(overrides):
         print(help_text("predict", __doc__ or "", EXAMPLES, schema=PredictConfig))
         return
-    predict(parse_options(PredictConfig, overrides, "predict"))
+    predict(parse_options(PredictConfig, overrides, "predict", (CONVERT_RENAMED,)))

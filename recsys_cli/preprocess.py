@@ -20,6 +20,7 @@ from data_tools.synthetic import SyntheticConfig
 from recsys_cli import config_dirs
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import locked_output
+from recsys_cli.options import Renamed, apply_renames
 
 # Not under configs/: everything there is a config group of `recsys train`.
 # The repository's preprocess_configs/, as installed with the package (config_dirs.py).
@@ -65,6 +66,13 @@ def _error_message(source: str, e: BaseException) -> str:
     )
 
 
+# Old spellings (issue 42 item 4): split= names one split in predict and evaluate;
+# split_ratios is the synthetic data's word (and dataset.synthetic.split_ratios in train).
+RENAMED = {"criteo": (Renamed("split", "split_by", "split= names one split in `recsys predict` and `recsys evaluate`"),
+                      Renamed("ratios", "split_ratios", "the word of `recsys preprocess synthetic` and "
+                                                        "dataset.synthetic.split_ratios"))}
+
+
 def compose(source: str, overrides: list[str]):
     """The composed, checked config of `source` as an OmegaConf node."""
     from hydra import compose as hydra_compose
@@ -74,6 +82,7 @@ def compose(source: str, overrides: list[str]):
 
     if source not in SOURCES:
         raise UserError(f"unknown preprocess source {source!r}; choose one of: {', '.join(SOURCES)}")
+    overrides = apply_renames(overrides, RENAMED.get(source, ()), f"preprocess {source}")
     _register()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

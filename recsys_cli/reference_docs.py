@@ -241,7 +241,7 @@ FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("placement, memory and the device", ("recsys_cli/embeddings/", "recsys_cli/device.py",
                                           "recsys_cli/train/memory_plan.py")),
     ("checkpoints and resuming", ("recsys_cli/checksum.py", "recsys_cli/checkpoints/", "recsys_cli/train/restore.py",
-                                  "recsys_cli/safe_load.py")),
+                                  "recsys_cli/train/resume_overrides.py", "recsys_cli/safe_load.py")),
     ("several processes", ("recsys_cli/train/distributed.py", "recsys_cli/train/strategies/")),
     ("files, run directories and locks", ("recsys_cli/locks.py", "recsys_cli/train/rundir.py",
                                           "recsys_cli/train/loggers.py", "recsys_cli/train/metrics.py",

@@ -1,4 +1,4 @@
-"""`recsys verify DIR`: check a dataset directory against its manifest, or a
+"""`recsys verify input=DIR`: check a dataset directory against its manifest, or a
 run's checkpoints against their records.
 
 Every shard must exist, have the manifest's size and sha256, and be a
@@ -17,9 +17,18 @@ refused as able to run code is a problem too, found without running it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from recsys_cli.errors import UserError
+
+
+@dataclass
+class VerifyConfig:
+    # A preprocessed dataset directory (its manifest.json names every shard), or a run directory or
+    # checkpoint directory (every checkpoint's files against their records).
+    input: Optional[str] = None
 
 
 def problems(directory: Path) -> tuple[list[str], int, int]:
@@ -86,20 +95,23 @@ def verify_checkpoints(directory: Path) -> None:
           "and every file holds plain data only")
 
 
-EXAMPLES = ("recsys verify data/kaggle", "recsys verify outputs/2026-01-01/12-00-00")
-ARGUMENTS = (("DIR", "a preprocessed dataset directory (its manifest.json names every shard), or a run directory "
-                     "or checkpoint directory (every checkpoint's files against their records)"),)
+EXAMPLES = ("recsys verify input=data/kaggle", "recsys verify input=outputs/2026-01-01/12-00-00")
 
 
 def run_verify(args: list[str]) -> None:
-    from recsys_cli.options import help_text, wants_help
+    """`recsys verify input=DIR` (the older `recsys verify DIR` still works, with a deprecation line)."""
+    from recsys_cli.options import help_text, old_arguments, parse_options, require, wants_help
 
     if wants_help(args):
-        print(help_text("verify", __doc__ or "", EXAMPLES, entries=ARGUMENTS, usage="recsys verify DIR"))
+        print(help_text("verify", __doc__ or "", EXAMPLES, schema=VerifyConfig))
         return
-    if len(args) != 1 or args[0].startswith("-"):
-        raise UserError("usage: recsys verify DIR (a preprocessed dataset directory, or a run or checkpoint directory)")
-    directory = Path(args[0]).expanduser()
+    cfg = parse_options(VerifyConfig, old_arguments(args, "verify", "input"), "verify")
+    verify(Path(require(cfg.input, "input", "verify", "a dataset, run or checkpoint directory")).expanduser())
+
+
+def verify(directory: Path) -> None:
+    """Check the dataset, run or checkpoint directory `directory`: UserError
+    naming the first problem (the others printed above it)."""
     from data_tools.manifest import MANIFEST_NAME
 
     checkpoints = checkpoint_directory(directory)

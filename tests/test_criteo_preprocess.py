@@ -128,7 +128,7 @@ def rows():
 @pytest.mark.parametrize("min_count,spill", [(1, True), (4, True), (1, False), (4, False)])
 def test_ids_and_vocab_match_reference(tmp_path, rows, min_count, spill):
     raw = write_raw(tmp_path / "train.txt", rows)
-    m, out = run(tmp_path, raw, min_count=min_count, split="ratios", block_size=4096, spill=spill)
+    m, out = run(tmp_path, raw, min_count=min_count, split_by="ratios", block_size=4096, spill=spill)
     assert sorted(p.name for p in out.iterdir()) == [".recsys-files.json", "manifest.json", "test", "train", "val", "vocab"]
     vocab, ids, labels, dense = reference(rows, min_count)
     assert [f.vocab_size for f in m.sparse_features] == vocab
@@ -145,7 +145,7 @@ def test_ids_and_vocab_match_reference(tmp_path, rows, min_count, spill):
 
 def test_schema_and_row_groups(tmp_path, rows):
     raw = write_raw(tmp_path / "train.txt", rows)
-    m, out = run(tmp_path, raw, split="ratios", ratios=[1, 0, 0], row_group_rows=100, shard_rows=450)
+    m, out = run(tmp_path, raw, split_by="ratios", split_ratios=[1, 0, 0], row_group_rows=100, shard_rows=450)
     files = [out / s.file for s in m.splits["train"].shards]
     # 450 rounds down to whole row groups: 400 rows per file
     assert [s.rows for s in m.splits["train"].shards] == [400, 400, 400, 300]
@@ -169,16 +169,16 @@ def test_label_int8(tmp_path, rows):
 
 def test_gzip_crlf_and_file_lists(tmp_path, rows):
     plain = write_raw(tmp_path / "a.txt", rows)
-    _, out_a = run(tmp_path, plain, "a", split="ratios")
+    _, out_a = run(tmp_path, plain, "a", split_by="ratios")
     gz = write_raw(tmp_path / "b.txt.gz", rows, crlf=True, gz=True)
-    _, out_b = run(tmp_path, gz, "b", split="ratios", block_size=2048)
+    _, out_b = run(tmp_path, gz, "b", split_by="ratios", block_size=2048)
     # the same rows over three files (one gz + CRLF), given as a glob
     d = tmp_path / "days"
     d.mkdir()
     write_raw(d / "day_0", rows[:500])
     write_raw(d / "day_1.gz", rows[500:1000], gz=True, crlf=True)
     write_raw(d / "day_2", rows[1000:])
-    m, out_c = run(tmp_path, str(d / "day_*"), "c", split="ratios", block_size=3000)
+    m, out_c = run(tmp_path, str(d / "day_*"), "c", split_by="ratios", block_size=3000)
     a, b, c = read_all(out_a), read_all(out_b), read_all(out_c)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
@@ -190,7 +190,7 @@ def test_gzip_members_and_truncation(tmp_path, rows):
     a = write_raw(tmp_path / "a.gz", rows[:700], gz=True).read_bytes()
     b = write_raw(tmp_path / "b.gz", rows[700:], gz=True).read_bytes()
     (tmp_path / "cat.gz").write_bytes(a + b)  # `cat a.gz b.gz`: two gzip members
-    m, out = run(tmp_path, tmp_path / "cat.gz", split="ratios", ratios=[1, 0, 0], block_size=4096)
+    m, out = run(tmp_path, tmp_path / "cat.gz", split_by="ratios", split_ratios=[1, 0, 0], block_size=4096)
     assert (split_index(out, "train") == np.arange(len(rows))).all()
     (tmp_path / "cut.gz").write_bytes((a + b)[:-200])
     with pytest.raises(UserError, match="cut.gz: truncated gzip"):
@@ -203,7 +203,7 @@ def test_glob_natural_order(tmp_path):
     d.mkdir()
     for k in range(12):  # day_10 and day_11 must come after day_2
         write_raw(d / f"day_{k}", make_rows(10, seed=k, start=10 * k))
-    m, out = run(tmp_path, str(d / "day_*"), split="ratios", ratios=[1, 0, 0])
+    m, out = run(tmp_path, str(d / "day_*"), split_by="ratios", split_ratios=[1, 0, 0])
     assert [Path(i["path"]).name for i in m.inputs] == [f"day_{k}" for k in range(12)]
     assert (split_index(out, "train") == np.arange(120)).all()
 
@@ -214,7 +214,7 @@ def test_glob_natural_order(tmp_path):
 @pytest.mark.parametrize("n", [700, 1003, 1506])
 def test_kaggle_split_is_dlrms(tmp_path, n):
     raw = write_raw(tmp_path / "train.txt", make_rows(n, seed=n))
-    m, out = run(tmp_path, raw, split="kaggle", block_size=4096)
+    m, out = run(tmp_path, raw, split_by="kaggle", block_size=4096)
     # DLRM: 7 days in file order (np.array_split), train = 6 days, last day:
     # test_indices, val_indices = np.array_split(last_day, 2)
     days = np.array_split(np.arange(n), 7)
@@ -228,7 +228,7 @@ def test_kaggle_split_is_dlrms(tmp_path, n):
 
 def test_ratio_split(tmp_path, rows):
     raw = write_raw(tmp_path / "train.txt", rows)
-    m, out = run(tmp_path, raw, split="ratios", ratios=[0.7, 0.2, 0.1])
+    m, out = run(tmp_path, raw, split_by="ratios", split_ratios=[0.7, 0.2, 0.1])
     assert {k: v.rows for k, v in m.splits.items()} == {"train": 1050, "val": 300, "test": 150}
     np.testing.assert_array_equal(split_index(out, "val"), np.arange(1050, 1350))
     np.testing.assert_array_equal(split_index(out, "test"), np.arange(1350, 1500))
@@ -238,7 +238,7 @@ def test_ratio_split(tmp_path, rows):
 def test_split_none_is_one_split_all_in_input_order(tmp_path, rows, mode):
     """split=none (documented: one split, 'all'): vocabulary mode raised KeyError 'all'."""
     raw = write_raw(tmp_path / "train.txt", rows)
-    m, out = run(tmp_path, raw, split="none", row_group_rows=64, shard_rows=128, block_size=4096, **mode)
+    m, out = run(tmp_path, raw, split_by="none", row_group_rows=64, shard_rows=128, block_size=4096, **mode)
     assert {k: v.rows for k, v in m.splits.items()} == {"all": len(rows)}
     np.testing.assert_array_equal(split_index(out, "all"), np.arange(len(rows)))
     assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name in ("all", "train", "val", "test")) == ["all"]
@@ -282,7 +282,7 @@ def test_manifest_contents_and_idempotent_rerun(tmp_path, rows):
     assert d["source"] == "criteo"
     assert d["skipped_lines"] == 0
     assert d["inputs"] == [{"path": str(raw), "bytes": raw.stat().st_size}]
-    assert d["options"]["min_count"] == 2 and d["options"]["split"] == "kaggle"
+    assert d["options"]["min_count"] == 2 and d["options"]["split_by"] == "kaggle"
     assert sum(s["rows"] for s in d["splits"].values()) == len(rows)
     for split in m1.splits.values():
         for s in split.shards:
@@ -352,7 +352,7 @@ def test_on_error_raise_each_kind(tmp_path, line, column, needle):
 def test_on_error_skip_counts_and_drops(tmp_path, spill):
     rows, bad = _bad_rows()
     raw = write_raw(tmp_path / "t.txt", rows, crlf=True)
-    m, out = run(tmp_path, raw, on_error="skip", split="ratios", block_size=2048, spill=spill)
+    m, out = run(tmp_path, raw, on_error="skip", split_by="ratios", block_size=2048, spill=spill)
     assert m.skipped_lines == len(bad)
     assert json.loads((out / "manifest.json").read_text())["skipped_lines"] == len(bad)
     kept = [r for i, r in enumerate(rows) if i not in bad]
@@ -377,7 +377,7 @@ def test_blank_lines_ignored_and_counted_for_line_numbers(tmp_path):
     rows = make_rows(50, seed=2)
     text = "\n".join("\t".join(r) for r in rows[:10]) + "\n\n\r\n" + "\n".join("\t".join(r) for r in rows[10:])
     (tmp_path / "t.txt").write_text(text)  # no final newline either
-    m, out = run(tmp_path, tmp_path / "t.txt", split="ratios", ratios=[1, 0, 0])
+    m, out = run(tmp_path, tmp_path / "t.txt", split_by="ratios", split_ratios=[1, 0, 0])
     assert m.splits["train"].rows == 50
     rows[20][14 + 2] = "xyz"
     text = "\n".join("\t".join(r) for r in rows[:10]) + "\n\n\n" + "\n".join("\t".join(r) for r in rows[10:])
@@ -528,5 +528,5 @@ def test_config_errors_are_user_errors():
         run_preprocess("avazu", [])
     cfg = load_config("criteo", ["input=[a,b]", "output=o", "hash_buckets=10"])
     assert cfg.input == ["a", "b"] and cfg.hash_buckets == 10 and isinstance(cfg, CriteoConfig)
-    with pytest.raises(UserError, match="split must be"):
+    with pytest.raises(UserError, match="split_by must be"):
         run_preprocess("criteo", ["input=a", "output=o", "split=weekly"])

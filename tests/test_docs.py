@@ -121,9 +121,12 @@ def command_schemas() -> dict[str, type]:
     from recsys_cli.export import ExportConfig
     from recsys_cli.predict import PredictConfig
     from recsys_cli.preprocess import SyntheticPreprocessConfig
+    from recsys_cli.report import ReportConfig
+    from recsys_cli.verify import VerifyConfig
 
     return {"predict": PredictConfig, "evaluate": EvaluateConfig, "export": ExportConfig,
-            "preprocess criteo": CriteoConfig, "preprocess synthetic": SyntheticPreprocessConfig}
+            "preprocess criteo": CriteoConfig, "preprocess synthetic": SyntheticPreprocessConfig,
+            "report": ReportConfig, "verify": VerifyConfig}
 
 
 def test_every_option_of_a_documented_command_exists():

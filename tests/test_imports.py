@@ -74,8 +74,12 @@ def _imports(name: str, path: Path) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
-            named.add(module)
-            named.update(f"{module}.{a.name}" for a in node.names)  # `from pkg import module`
+            imported = [f"{module}.{a.name}" for a in node.names]  # `from pkg import module`
+            # `from pkg import module` depends on the module as `import pkg.module` does, not on pkg's
+            # own names (its __init__, e.g. recsys_cli's lazy public API, runs before any of its modules)
+            if node.level or not all(m in MODULES for m in imported):
+                named.add(module)
+            named.update(imported)
     out = set()
     for m in named:
         while m and m not in MODULES:

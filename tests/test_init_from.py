@@ -23,9 +23,9 @@ pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algori
 def days(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("days")
     preprocess(CriteoConfig(input=str(write_raw(tmp / "day0.txt", make_rows(2000, seed=1))), output=str(tmp / "day0"),
-                            split="ratios", progress=False))
+                            split_by="ratios", progress=False))
     preprocess(CriteoConfig(input=str(write_raw(tmp / "day1.txt", make_rows(1500, seed=2))), output=str(tmp / "day1"),
-                            vocab=str(tmp / "day0"), split="ratios", progress=False))
+                            vocab=str(tmp / "day0"), split_by="ratios", progress=False))
     cfg = config(tmp / "cache", dataset__path=str(tmp / "day0"), trainer__max_steps=30, trainer__batch_size=64,
                  trainer__checkpoint_dir=str(tmp / "run0"), trainer__device="cpu", optimizer__name="adagrad",
                  optimizer__lr=0.05)
@@ -63,7 +63,7 @@ def test_init_from_continues_with_the_same_weights(days):
 def test_init_from_errors(days, tmp_path):
     tmp, _ = days
     preprocess(CriteoConfig(input=str(write_raw(tmp_path / "o.txt", make_rows(800, seed=9))), output=str(tmp_path / "o"),
-                            split="ratios", progress=False))
+                            split_by="ratios", progress=False))
     base = dict(trainer__max_steps=2, trainer__batch_size=64, trainer__device="cpu", optimizer__name="adagrad")
     with pytest.raises(UserError, match="vocabulary mismatch"):
         Trainer(config(tmp / "cache", dataset__path=str(tmp_path / "o"), trainer__init_from=str(tmp / "run0"), **base))

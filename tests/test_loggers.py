@@ -20,7 +20,7 @@ from recsys_cli.train.trainer import Trainer
 def dataset(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tb")
     preprocess(CriteoConfig(input=str(write_raw(tmp / "t.txt", make_rows(1500, seed=4))), output=str(tmp / "data"),
-                            split="ratios", progress=False))
+                            split_by="ratios", progress=False))
     return tmp / "data"
 
 

@@ -9,7 +9,7 @@ docstring and DESIGN.md's "Data"), sharing no code with data_tools:
 
 * the reading preprocess does (data_tools.criteo_input.BlockReader, in blocks
   small enough that lines straddle them), on_error=raise and on_error=skip;
-* `recsys preprocess` itself, in-process (preprocess() in hash mode, split=none,
+* `recsys preprocess` itself, in-process (preprocess() in hash mode, split_by=none,
   whose ids the reference computes), for fewer examples;
 * `recsys predict`'s raw reading (decoded_blocks, 39 or 40 fields);
 * `recsys_cli.export.raw_inputs` (a list of lines).
@@ -524,7 +524,7 @@ def test_preprocess_end_to_end(data, on_error, block_size, mode):
     out = TMP / "e2e-out"
     buckets = 1000
     cfg = CriteoConfig(input=str(path), output=str(out), hash_buckets=buckets if mode == "hash" else None,
-                       spill=mode != "vocabulary, no spill", split="none", on_error=on_error,
+                       spill=mode != "vocabulary, no spill", split_by="none", on_error=on_error,
                        block_size=block_size, progress=False)
     try:
         m = preprocess(cfg, console=_quiet())

@@ -32,7 +32,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("predict")
     rows = make_rows(3000, seed=5)
     raw = write_raw(tmp / "train.txt", rows)
-    m = preprocess(CriteoConfig(input=str(raw), output=str(tmp / "data"), split="ratios", ratios=[0.8, 0.1, 0.1],
+    m = preprocess(CriteoConfig(input=str(raw), output=str(tmp / "data"), split_by="ratios", split_ratios=[0.8, 0.1, 0.1],
                                 progress=False))
     cfg = config(tmp / "cache", dataset__path=str(tmp / "data"), trainer__max_steps=40, trainer__batch_size=64,
                  trainer__eval_batch_size=128, trainer__checkpoint_dir=str(tmp / "run" / "checkpoints"),
@@ -95,7 +95,7 @@ def test_unlabelled_dataset_with_vocab(trained, tmp_path):
     """preprocess labels=false vocab=TRAINED, then predict on that dataset."""
     raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
     preprocess(CriteoConfig(input=str(raw39), output=str(tmp_path / "unl"), vocab=str(trained["data"]),
-                            labels=False, split="none", progress=False))
+                            labels=False, split_by="none", progress=False))
     loaded = load_model(trained["run"], device="cpu")
     got = [(lg, lb) for lg, lb in dataset_logits(loaded, tmp_path / "unl", ["all"], 128)]
     assert torch.equal(torch.cat([lg for lg, _ in got]), trained["logits"])
@@ -154,7 +154,7 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path, capsys, monkeypatch):
          f"output={tmp_path / 'p.csv'}", f"vocab={tmp_path}"],
         ["evaluate", f"checkpoint={tmp_path / 'nope'}"],
         ["evaluate", f"checkpoint={trained['run']}", "split=nosuch", f"output={tmp_path / 'e'}"],
-        ["export", f"checkpoint={trained['run']}", "precision=int3"],
+        ["export", f"checkpoint={trained['run']}", "convert=int3"],
         ["export", f"checkpoint={tmp_path / 'nope'}"],
     ]
     monkeypatch.setenv("COLUMNS", "400")
@@ -222,9 +222,9 @@ def test_evaluate_and_train_refuse_unlabelled(trained, tmp_path):
 
     raw39 = write_raw(tmp_path / "test.txt", [r[1:] for r in trained["val_rows"]])
     preprocess(CriteoConfig(input=str(raw39), output=str(tmp_path / "unl"), vocab=str(trained["data"]),
-                            labels=False, split="none", progress=False))
+                            labels=False, split_by="none", progress=False))
     with pytest.raises(UserError, match="has no labels"):
-        evaluate(EvaluateConfig(checkpoint=str(trained["run"]), dataset=str(tmp_path / "unl"), progress=False))
+        evaluate(EvaluateConfig(checkpoint=str(trained["run"]), input=str(tmp_path / "unl"), progress=False))
     with pytest.raises(UserError, match="has no labels"):
         Trainer(config(tmp_path / "cache", dataset__path=str(tmp_path / "unl")))
 
@@ -312,7 +312,7 @@ def test_export_round_trip(trained, tmp_path, one_compute_thread):
         out = tmp_path / f"model-{precision}.pt2"
         with warnings.catch_warnings():  # fp32 printed torch's "No complete tensor found in the group!"
             warnings.simplefilter("error")
-            r = export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, output=str(out)))
+            r = export(ExportConfig(checkpoint=str(trained["run"]), convert=precision, output=str(out)))
         assert r["bytes"] == out.stat().st_size and not list(tmp_path.glob(".*tmp*"))
         model = torch.export.load(str(out)).module()  # torch alone
         p = model(dense, ids)
@@ -344,10 +344,10 @@ def test_module_format_scores_like_the_pt2(trained, tmp_path, one_compute_thread
     dense, ids = val_inputs(trained)
     for precision in ("fp32", "int8"):
         pt2, mod = tmp_path / f"m-{precision}.pt2", tmp_path / f"m-{precision}.scorer.pt"
-        export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, output=str(pt2)))
+        export(ExportConfig(checkpoint=str(trained["run"]), convert=precision, output=str(pt2)))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            r = export(ExportConfig(checkpoint=str(trained["run"]), precision=precision, format="module",
+            r = export(ExportConfig(checkpoint=str(trained["run"]), convert=precision, format="module",
                                     output=str(mod)))
         assert r["bytes"] == mod.stat().st_size and not list(tmp_path.glob(".*tmp*"))
         torch.load(mod, weights_only=True)  # no pickled code
@@ -362,7 +362,7 @@ def test_module_format_scores_like_the_pt2(trained, tmp_path, one_compute_thread
         if precision == "fp32":
             assert torch.equal(p, torch.sigmoid(trained["logits"]))
     # the default name says the format
-    r = export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module"))
+    r = export(ExportConfig(checkpoint=str(trained["run"]), convert="int8", format="module"))
     assert Path(r["output"]) == trained["run"] / "model-int8.scorer.pt"
     Path(r["output"]).unlink()
     with pytest.raises(UserError, match="format='onnx' is not one of pt2, module"):
@@ -377,7 +377,7 @@ def test_module_format_loads_without_torch_export_reader(trained, tmp_path):
     from recsys_cli.export import ExportConfig, export
 
     mod = tmp_path / "m.scorer.pt"
-    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module", output=str(mod)))
+    export(ExportConfig(checkpoint=str(trained["run"]), convert="int8", format="module", output=str(mod)))
     code = (
         "import sys, torch\n"
         "from recsys_cli.export import load_scorer\n"
@@ -395,8 +395,8 @@ def test_damaged_artifact_is_one_line(trained, tmp_path):
     from recsys_cli.export import ExportConfig, export, load_metadata, load_scorer
 
     mod, pt2 = tmp_path / "m.scorer.pt", tmp_path / "m.pt2"
-    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", format="module", output=str(mod)))
-    export(ExportConfig(checkpoint=str(trained["run"]), precision="int8", output=str(pt2)))
+    export(ExportConfig(checkpoint=str(trained["run"]), convert="int8", format="module", output=str(mod)))
+    export(ExportConfig(checkpoint=str(trained["run"]), convert="int8", output=str(pt2)))
     flipped = bytearray(mod.read_bytes())
     flipped[len(flipped) // 2] ^= 0xFF  # inside a table: torch.load alone would read it silently
     flipped_pt2 = bytearray(pt2.read_bytes())

@@ -179,8 +179,8 @@ def test_tsv_round_trips_through_criteo_preprocess(tmp_path):
     empty = np.array([[f == "" for f in r] for r in fields]).mean(axis=0)
     assert empty[2] == 0 and empty[12] > 0.3  # I2 never missing, I12 mostly (Criteo-like)
     assert empty[14] == 0 and empty[14 + 21] > 0.3  # C1 never, C22 mostly
-    m = preprocess(CriteoConfig(input=str(raw), output=str(tmp_path / "pre"), split="ratios",
-                                ratios=cfg.split_ratios, progress=False))
+    m = preprocess(CriteoConfig(input=str(raw), output=str(tmp_path / "pre"), split_by="ratios",
+                                split_ratios=cfg.split_ratios, progress=False))
     assert {k: v.rows for k, v in m.splits.items()} == {k: v.rows for k, v in syn.splits.items()}
     a, b = read(tmp_path / "syn"), read(tmp_path / "pre")
     np.testing.assert_array_equal(a["label"].to_numpy(), b["label"].to_numpy())

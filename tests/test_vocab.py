@@ -96,7 +96,7 @@ def new_day(train_rows, n=700, seed=11):
 def test_preprocess_with_existing_vocabulary(tmp_path, train_rows, split):
     m_train, train = run(tmp_path, write_raw(tmp_path / "train.txt", train_rows), "train", min_count=2)
     rows = new_day(train_rows)
-    m, out = run(tmp_path, write_raw(tmp_path / "day.txt", rows), "day", vocab=str(train), split=split)
+    m, out = run(tmp_path, write_raw(tmp_path / "day.txt", rows), "day", vocab=str(train), split_by=split)
     maps = reference_maps(train_rows, min_count=2)
     expect = np.array([[maps[f].get(v.lower(), 0) for f, v in enumerate(r[14:])] for r in rows], dtype=np.int32)
     if split == "none":
@@ -121,9 +121,9 @@ def test_preprocess_with_existing_vocabulary(tmp_path, train_rows, split):
 def test_unlabelled_input(tmp_path, train_rows):
     _, train = run(tmp_path, write_raw(tmp_path / "train.txt", train_rows), "train")
     rows = new_day(train_rows, n=300)
-    _, labelled = run(tmp_path, write_raw(tmp_path / "day.txt", rows), "labelled", vocab=str(train), split="none")
+    _, labelled = run(tmp_path, write_raw(tmp_path / "day.txt", rows), "labelled", vocab=str(train), split_by="none")
     m, out = run(tmp_path, write_raw(tmp_path / "test.txt", [r[1:] for r in rows]), "unlabelled",
-                 vocab=str(train), split="none", labels=False)
+                 vocab=str(train), split_by="none", labels=False)
     assert m.labelled is False
     index, ids, names = split_rows(out, "all")
     assert "label" not in names
@@ -141,7 +141,7 @@ def test_wrong_column_count(tmp_path, train_rows, labels, drop, needle):
     rows = [r[1:] if drop else r for r in train_rows[:50]]
     raw = write_raw(tmp_path / "bad.txt", rows)
     with pytest.raises(UserError) as e:
-        run(tmp_path, raw, "bad", vocab=str(train), labels=labels, split="none")
+        run(tmp_path, raw, "bad", vocab=str(train), labels=labels, split_by="none")
     assert f"{raw} line 1" in str(e.value) and needle in str(e.value)
     assert not (tmp_path / "bad").exists()
 

@@ -72,7 +72,7 @@ def build(work: Path, rows: int, scale: float) -> None:
     data.mkdir(parents=True, exist_ok=True)
     entry = vocab.write_vocabulary(data, CRITEO_SPARSE, values, ids, {"mode": "vocabulary", "min_count": 1})
     Manifest(source="criteo", sparse_features=[SparseFeature(n, v) for n, v in zip(CRITEO_SPARSE, sizes)],
-             splits={}, options={"vocabulary": entry, "split": "none"}).save(data)
+             splits={}, options={"vocabulary": entry, "split_by": "none"}).save(data)
     tc = OmegaConf.structured(TrainConfig)
     tc.model = OmegaConf.merge(tc.model, OmegaConf.load(REPO / "configs" / "model" / "dlrm_kaggle.yaml"))
     torch.manual_seed(0)

@@ -105,7 +105,7 @@ class RowGroupReader:
             if shard.bytes is not None and path.stat().st_size != shard.bytes:
                 raise ManifestError(
                     f"{path}: {path.stat().st_size} bytes, the manifest says {shard.bytes} (truncated or "
-                    f"replaced; check the dataset with `recsys verify {self.dataset_dir}`)"
+                    f"replaced; check the dataset with `recsys verify input={self.dataset_dir}`)"
                 )
             try:
                 meta = pq.read_metadata(path)
@@ -165,7 +165,7 @@ class RowGroupReader:
         if entry.sha256 and sha256_file(self.files[shard]) != entry.sha256:
             raise ManifestError(
                 f"{self.files[shard]}: sha256 differs from the manifest's (the shard is damaged; "
-                f"check the dataset with `recsys verify {self.dataset_dir}`, or preprocess it again)"
+                f"check the dataset with `recsys verify input={self.dataset_dir}`, or preprocess it again)"
             )
         self._verified.add(shard)
 
@@ -211,7 +211,7 @@ class RowGroupReader:
         except (OSError, pa.ArrowException) as e:  # damaged after the manifest was written
             raise ManifestError(
                 f"{path}: row group {rg.index} cannot be read ({str(e).splitlines()[0]}); the shard is damaged "
-                f"(check the dataset with `recsys verify {self.dataset_dir}`, or preprocess it again)"
+                f"(check the dataset with `recsys verify input={self.dataset_dir}`, or preprocess it again)"
             ) from None
         n = table.num_rows
         if n != rg.rows:

@@ -1,7 +1,7 @@
-"""`recsys report DIR [--out DIR]`: a table, a CSV file and plots of a run or a sweep.
+"""`recsys report input=DIR [output=DIR] [plots=false]`: a table, a CSV file and plots of a run or a sweep.
 
-DIR is one run directory (summary.json, metrics.jsonl, .hydra/overrides.yaml)
-or a Hydra multirun directory; every summary.json below DIR is one run. The
+input is one run directory (summary.json, metrics.jsonl, .hydra/overrides.yaml)
+or a Hydra multirun directory; every summary.json below it is one run. The
 report has one row per run: the run's overrides, validation AUC and log loss,
 steady-state training samples/s (after the warm-up steps, evaluation and
 checkpoints left out) beside wall-clock seconds, embedding bytes on the device and in host memory, cache hit rate,
@@ -28,9 +28,9 @@ when plotting.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import locked_output
@@ -38,7 +38,7 @@ from recsys_cli.report.plots import PLOT_NAMES
 from recsys_cli.report.runs import Run, find_runs, load_run, report_rows, run_labels
 from recsys_cli.report.tables import CSV_NAME, console_tables, write_csv
 
-__all__ = ["CSV_NAME", "PLOT_NAMES", "Report", "Run", "build_report", "find_runs", "load_run", "parser",
+__all__ = ["CSV_NAME", "PLOT_NAMES", "Report", "ReportConfig", "Run", "build_report", "find_runs", "load_run",
            "report_rows", "run_labels", "run_report"]
 
 
@@ -78,7 +78,7 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
             console.print(table)
     csv_path = out / CSV_NAME
     # One writer per output (locks.py): two reports into one directory are not mixed.
-    with locked_output(csv_path, "report output", "report", "--out DIR"):
+    with locked_output(csv_path, "report output", "report", "output=DIR"):
         try:
             write_csv(csv_path, rows)
             written: list[Path] = []
@@ -104,55 +104,32 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
     return report
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # a UserError, printed by the CLI without a traceback
-        raise UserError(f"recsys report: {message}\n{self.format_usage().strip()}")
+@dataclass
+class ReportConfig:
+    input: Optional[str] = None  # a run directory, or a directory with runs below it (a sweep)
+    output: Optional[str] = None  # where to write report.csv and the plots (default: input)
+    plots: bool = True  # draw the plots (false: only the tables and report.csv)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="recsys report",
-        description="Table, CSV (report.csv) and plots of a run directory or a sweep (multirun) directory.",
-    )
-    p.add_argument("dir", metavar="DIR", help="a run directory, or a directory with runs below it (a sweep)")
-    p.add_argument("--out", metavar="DIR", default=None, help="where to write report.csv and the plots (default: DIR)")
-    p.add_argument("--no-plots", action="store_true", help="only the tables and report.csv")
-    return p
-
-
-EXAMPLES = ("recsys report outputs/2026-01-01/12-00-00",
-            "recsys report multirun/2026-01-01/12-00-00 --out sweep-report --no-plots")
-
-
-def report_help() -> str:
-    """`recsys report --help` in every command's layout (options.help_text),
-    the arguments and their descriptions taken from the parser."""
-    from recsys_cli.options import help_text
-
-    p = parser()
-    entries = []
-    for action in p._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
-        metavar = str(action.metavar) if action.metavar else ""
-        name = " ".join([*action.option_strings, metavar]).strip()
-        entries.append((name, action.help or ""))
-    return help_text("report", p.description or "", EXAMPLES, entries=entries,
-                     usage="recsys report DIR [--out DIR] [--no-plots]")
+PURPOSE = "Table, CSV (report.csv) and plots of a run directory or a sweep (multirun) directory."
+EXAMPLES = ("recsys report input=outputs/2026-01-01/12-00-00",
+            "recsys report input=multirun/2026-01-01/12-00-00 output=sweep-report plots=false")
 
 
 def run_report(args: list[str]) -> None:
-    """`recsys report DIR [--out DIR] [--no-plots]`."""
+    """`recsys report input=DIR [output=DIR] [plots=false]`; the older
+    `recsys report DIR [--out DIR] [--no-plots]` still works, with a deprecation line."""
     from rich.console import Console
 
-    from recsys_cli.options import wants_help
+    from recsys_cli.options import help_text, old_arguments, parse_options, require, wants_help
 
     if wants_help(args):
-        print(report_help())
+        print(help_text("report", PURPOSE, EXAMPLES, schema=ReportConfig))
         return
-    options = parser().parse_args(args)
+    cfg = parse_options(ReportConfig, old_arguments(args, "report", "input", flags={"--out": "output"},
+                                                    switches={"--no-plots": "plots=false"}), "report")
+    root = Path(require(cfg.input, "input", "report", "a run or sweep directory")).expanduser()
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no reason to fold the tables to 80 columns
         console = Console(width=200)
-    build_report(Path(options.dir).expanduser(), Path(options.out).expanduser() if options.out else None,
-                 console=console, plots=not options.no_plots)
+    build_report(root, Path(cfg.output).expanduser() if cfg.output else None, console=console, plots=cfg.plots)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -61,15 +62,20 @@ def train_main(cfg: DictConfig) -> float | None:
 
 
 def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
-    """The three files Hydra writes into .hydra/ (config, hydra, overrides)."""
+    """The three files Hydra writes into .hydra/ (config, hydra, overrides),
+    each renamed into place: a resume on several ranks reads overrides.yaml
+    while rank 0 rewrites it (resume_overrides.py)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
     hydra_cfg["output_subdir"] = _output_subdir
     for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
                        ("overrides.yaml", HydraConfig.get().overrides.task)):
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / name).write_text(OmegaConf.to_yaml(node))
+            tmp.write_text(OmegaConf.to_yaml(node))
+            os.replace(tmp, directory / name)
         except OSError as e:
+            tmp.unlink(missing_ok=True)
             raise write_error(directory / name, e) from None
 
 
@@ -117,11 +123,35 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
         message = one_line(e)
         if "'placement.overrides." in message:  # a free-form dict: new keys need a +
             message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+        if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
+            message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
+                        "is model.dense_precision=bf16)")
         raise UserError(f"bad configuration: {message}") from None
     extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
     validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
+    return cfg
+
+
+def train_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `recsys train OVERRIDES` runs (public API, recsys_cli.train_config):
+    configs/train.yaml with the overrides (group=option, key=value; the older
+    `+group=option` too) composed against the schema and checked as the
+    command checks it, for Trainer(cfg, run_dir=...). A misspelt key, a bad
+    value or a sweep is a UserError naming it."""
+    given = group_overrides(list(overrides))
+    odd = next((o for o in given if o.startswith("-") or o.lstrip("+").startswith("hydra.")), None)
+    if odd is not None:
+        raise UserError(f"train_config takes group=option and key=value overrides, not {odd!r}")
+    register_configs()
+    cfg = check_overrides(given)
+    assert cfg is not None  # no flags: check_overrides composed it
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeps = [o.input_line for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()]
+    if sweeps:
+        raise UserError(f"train_config composes one run: {sweeps[0]!r} is a sweep (recsys train -m)")
     return cfg
 
 
@@ -199,6 +229,11 @@ def run_train_app(overrides: list[str]) -> None:
         print(train_help(overrides))
         return
     register_configs()
+    from recsys_cli.train.resume_overrides import say_restored, with_saved_overrides
+
+    restored = with_saved_overrides(overrides, check_overrides)  # trainer.resume: the resumed run's overrides first
+    say_restored(restored)
+    overrides = restored.overrides
     cfg = check_overrides(overrides)
     check_places(overrides, cfg)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)

@@ -69,18 +69,25 @@ class Restorable:
     embeddings: Tables  # model.embeddings
 
 
+# trainer.resume's words for "the latest checkpoint" (true: the older spelling, still read)
+LATEST_WORDS = ("last", "true")
+
+
 def resume_path(resume: str, checkpoint_dir: Path | None, run_dir: Path | None) -> Path:
-    """The checkpoint trainer.resume names (a checkpoint, a directory, or "true": the latest),
+    """The checkpoint trainer.resume names (a checkpoint, a directory, or "last": the latest),
     as rank 0 chose it: every rank loads the same one."""
-    if str(resume).lower() == "true":
+    return distributed.broadcast_object(locate_resume(resume, checkpoint_dir, run_dir))  # a no-op alone
+
+
+def locate_resume(resume: str, checkpoint_dir: Path | None, run_dir: Path | None) -> Path:
+    """The checkpoint trainer.resume names, found in this process (also
+    before composition: resume_overrides.py takes that run's overrides)."""
+    if str(resume).lower() in LATEST_WORDS:
         if checkpoint_dir is not None and (checkpoint_dir / ckpt.LATEST).exists():
-            path = ckpt.find_checkpoint(checkpoint_dir)
-        else:
-            outputs = run_dir.parent.parent if run_dir else Path("outputs")
-            path = ckpt.find_latest_run_checkpoint(outputs)
-    else:
-        path = ckpt.find_checkpoint(resume)
-    return distributed.broadcast_object(path)  # a no-op alone
+            return ckpt.find_checkpoint(checkpoint_dir)
+        outputs = run_dir.parent.parent if run_dir else Path("outputs")
+        return ckpt.find_latest_run_checkpoint(outputs)
+    return ckpt.find_checkpoint(resume)
 
 
 def resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:

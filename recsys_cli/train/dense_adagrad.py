@@ -7,7 +7,7 @@ dense parameters of MLPerf's DLRM-DCNv2 that was 92 ms a step on this
 2-core box, 40 % of a batch-256 step (issue 41). `ChunkedAdagrad` runs the
 same elementwise kernels, in the same order, on pieces small enough
 (PIECE_ELEMENTS) that a piece's parameter, gradient, sum and root stay in
-the core's cache between the passes: the same bits (tests/test_dense_adagrad.py
+the cache between the passes: the same bits (tests/test_dense_adagrad.py
 checks torch.equal against torch.optim.Adagrad(foreach=True)), about half
 the memory traffic.
 
@@ -28,10 +28,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-# Elements a piece: 4 fp32 tensors of it (parameter, gradient, sum, root) are
-# 512 KiB, inside a core's L2 (1 MiB on the EPYC this was measured on), and
-# at torch's grain size, so each op runs on the calling thread.
-PIECE_ELEMENTS = 1 << 15
+# Elements a piece: 1 MiB of each of the 4 fp32 tensors a piece touches
+# (parameter, gradient, sum, root), 4 MiB, in the L3 cache, split by torch
+# over its compute threads (1 << 15, under torch's grain size, ran each op
+# on one thread: 0.45x foreach's speed on 2 threads; bench/dense_adagrad_bench.py).
+PIECE_ELEMENTS = 1 << 18
 
 
 class ChunkedAdagrad(torch.optim.Adagrad):
@@ -40,7 +41,7 @@ class ChunkedAdagrad(torch.optim.Adagrad):
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, eps: float,
                  initial_accumulator_value: float) -> None:
         super().__init__(params, lr=lr, eps=eps, initial_accumulator_value=initial_accumulator_value, foreach=True)
-        self._root = torch.empty(PIECE_ELEMENTS)
+        self._root = torch.empty(0)
 
     def _pieces_apply(self, group: dict[str, Any]) -> bool:
         return (group["weight_decay"] == 0 and group["lr_decay"] == 0 and not group["maximize"]
@@ -83,9 +84,11 @@ class ChunkedAdagrad(torch.optim.Adagrad):
         """foreach Adagrad's four ops, in its order, on each piece:
         sum += grad * grad; std = sqrt(sum) + eps; param += (grad * -clr) / std
         (addcdiv's value * t1 / t2: the product first, as foreach's separate multiply)."""
-        n = param.numel()
-        for lo in range(0, n, PIECE_ELEMENTS):
-            hi = min(n, lo + PIECE_ELEMENTS)
+        n, piece = param.numel(), PIECE_ELEMENTS
+        if self._root.numel() < min(n, piece):
+            self._root = torch.empty(piece)
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
             g, s = grad[lo:hi], total[lo:hi]
             s.addcmul_(g, g, value=1)
             root = torch.sqrt(s, out=self._root[: hi - lo])

@@ -49,6 +49,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -75,6 +76,14 @@ GENERATOR_VERSION = 4
 KAGGLE_CARDINALITIES = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]
+# MLPerf DLRM-DCNv2's tables: Criteo 1TB's values per feature capped at 40M
+# rows (TorchRec's dlrm example, DEFAULT_CAT_NAMES order C1..C26), about
+# 204M rows. configs/dataset/synthetic_mlperf.yaml gives them as
+# dataset.synthetic.cardinalities.
+MLPERF_CARDINALITIES = [
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
 ]
 # Approximate fraction of missing values per feature in Criteo Kaggle.
 _DENSE_MISSING_PROFILE = [
@@ -105,6 +114,10 @@ class SyntheticConfig:
     # Vocabulary of feature f: min(card_f, max(min_vocab, ceil(card_f * scale))),
     # card_f the Criteo Kaggle feature's distinct values.
     cardinality_scale: float = 0.002
+    # The profile the scale applies to: distinct values (ids, with id 0 =
+    # missing) of C1..C26; unset: Criteo Kaggle's. At cardinality_scale 1.0
+    # the tables have exactly these rows (e.g. MLPerf's capped sizes).
+    cardinalities: Optional[list[int]] = None
     min_vocab: int = 3  # the smallest vocabulary of a feature
     zipf_exponent: float = 1.1  # the skew of the ids' Zipf draws
     missing_rate: float = 0.05  # mean over the 39 features; Criteo-like per-feature profile
@@ -150,7 +163,12 @@ def validate(cfg: SyntheticConfig) -> None:
         bad(f"seed must be >= 0, got {cfg.seed}")
     if not cfg.cardinality_scale > 0:
         bad(f"cardinality_scale must be > 0, got {cfg.cardinality_scale}")
-    if max(KAGGLE_CARDINALITIES) * cfg.cardinality_scale >= 2**31:  # ids are int32 in the generator
+    if cfg.cardinalities is not None:
+        cards = list(cfg.cardinalities)
+        if len(cards) != len(CRITEO_SPARSE) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                                       for c in cards):
+            bad(f"cardinalities must be {len(CRITEO_SPARSE)} integers >= 1 (C1..C26), got {cards}")
+    if max(profile(cfg)) * cfg.cardinality_scale >= 2**31:  # ids are int32 in the generator
         bad(f"cardinality_scale {cfg.cardinality_scale} makes a feature's vocabulary exceed 2**31 ids")
     if cfg.min_vocab < 2:
         bad(f"min_vocab must be >= 2 (id 0 is reserved for missing), got {cfg.min_vocab}")
@@ -178,15 +196,20 @@ def validate(cfg: SyntheticConfig) -> None:
         bad(f"split_ratios must be three finite non-negative numbers (train, val, test), got {ratios}")
 
 
+def profile(cfg: SyntheticConfig) -> list[int]:
+    """The distinct values per feature that cardinality_scale scales."""
+    return list(cfg.cardinalities) if cfg.cardinalities is not None else KAGGLE_CARDINALITIES
+
+
 def vocab_sizes(cfg: SyntheticConfig) -> list[int]:
     """Vocabulary size (including id 0 = missing) of C1..C26. Above 1 the
     profile grows past Kaggle's (as Criteo Terabyte's hashing to tens of
     millions of rows a feature would): tables larger than host memory."""
     if cfg.cardinality_scale > 1:
-        return [math.ceil(c * cfg.cardinality_scale) for c in KAGGLE_CARDINALITIES]
+        return [math.ceil(c * cfg.cardinality_scale) for c in profile(cfg)]
     return [
         int(min(c, max(cfg.min_vocab, math.ceil(c * cfg.cardinality_scale))))
-        for c in KAGGLE_CARDINALITIES
+        for c in profile(cfg)
     ]
 
 
@@ -198,9 +221,10 @@ def missing_rates(cfg: SyntheticConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def config_hash(cfg: SyntheticConfig) -> str:
-    payload = json.dumps(
-        {"generator": GENERATOR_VERSION, **dataclasses.asdict(cfg)}, sort_keys=True, default=str
-    )
+    fields = dataclasses.asdict(cfg)
+    if fields["cardinalities"] is None:  # the Kaggle profile: the key of every dataset made before the option
+        del fields["cardinalities"]
+    payload = json.dumps({"generator": GENERATOR_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

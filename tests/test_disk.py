@@ -239,3 +239,30 @@ def test_a_live_file_truncated_or_replaced_behind_the_store_is_named(tmp_path):
     with pytest.raises(UserError, match="the live disk table was replaced behind the run"):
         store.read(torch.arange(4))
     store.close()
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_a_disk_table_built_on_every_core_has_the_serial_builds_bytes(tmp_path, precision):
+    """The file is built by table_init.build_initial_rows (chunks on every
+    core at once); its bytes equal the serial build it replaced, computed here
+    as that did: each table's rows from init_rows in order, encoded with the
+    INIT_STEP keys, packed with their state."""
+    import numpy as np
+
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.quant import INIT_STEP
+    from recsys_cli.embeddings.table_init import TableSpec, init_rows
+
+    specs = [TableSpec("C1", 3001, 16), TableSpec("C9", 1200, 16, first_row=700, table_num_rows=5000)]
+    store = DiskRowStore(specs, [0, 8], precision, "stochastic", 11, 1, 0.25, str(tmp_path), host_cache_rows=0)
+    try:
+        expected, start = [], 0
+        for spec in specs:
+            ids = torch.arange(start, start + spec.num_rows)
+            encoded = store.rows.encode(init_rows(spec, 0, spec.num_rows, 11), store.key(ids, INIT_STEP))
+            expected.append(store.codec.pack(encoded, torch.full((spec.num_rows, 1), 0.25)))
+            start += spec.num_rows
+        got = torch.from_numpy(np.fromfile(store.path, dtype=np.uint8))
+        assert torch.equal(got[: start * store.record_bytes].view(start, -1), torch.cat(expected))
+    finally:
+        store.close()

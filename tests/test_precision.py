@@ -111,6 +111,51 @@ def test_counter_noise_is_keyed_not_sequential():
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
 
 
+def test_int32_counter_hash_equals_the_int64_arithmetic():
+    """counter_hash runs its per-element rounds in int32 (counter.fmix32_int32_):
+    the same bits as the int64 arithmetic it replaced, computed here the old
+    way, for 64-bit seeds and rows, negative steps, odd widths."""
+    from recsys_cli.embeddings.counter import MASK32, fmix32
+
+    g = torch.Generator().manual_seed(5)
+    table = torch.randint(0, 40, (3000,), generator=g)
+    row = torch.randint(0, 1 << 40, (3000,), generator=g)
+    for seed, step, width in ((0, 0, 16), (2**33 + 7, -1, 127), (12345, torch.randint(-2, 1 << 20, (3000,), generator=g), 8)):
+        steps = torch.as_tensor(step, dtype=torch.int64).expand(row.shape)
+        h = torch.full(row.shape, seed & MASK32, dtype=torch.int64)
+        for word in (table & MASK32, row & MASK32, row >> 32, steps & MASK32):
+            h = fmix32(h ^ word ^ 0x9E3779B9)
+        reference = fmix32(fmix32(h.unsqueeze(1) ^ torch.arange(width)))
+        assert torch.equal(counter_hash(seed, table, row, step, width), reference)
+        bits = RoundingKey(seed, table, row, step).hashes(width)
+        assert bits.dtype == torch.int32 and torch.equal(bits.to(torch.int64) & MASK32, reference)
+        assert torch.equal(uniform_noise(bits), uniform_noise(reference))
+
+
+# sha256 (first 32 hex digits) of the tables below as built before the
+# int32 hashing (commit 5a160a0): the build's bits did not change.
+BUILT_BEFORE = {"int4": "6e77da750652a78c7c0de125d098fa28", "int8": "c11d7a3af5f9aa8f651e3b7f4198e386",
+                "fp16": "4dc9f6c5653d32d7a71b726c22e3d91e"}
+
+
+@pytest.mark.parametrize("precision", sorted(BUILT_BEFORE))
+def test_a_built_low_precision_table_has_the_bits_it_had(precision):
+    import hashlib
+
+    from recsys_cli.embeddings.store import RowStore
+    from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
+
+    seed = 2**33 + 7
+    specs = [TableSpec("C1", 5000, 16), TableSpec("C7", 3000, 16, first_row=1000, table_num_rows=9000)]
+    store = RowStore(8000, 16, torch.zeros(8000, 1), precision=precision, seed=seed,
+                     table_rows=[(0, 5000), (6, 3000, 1000)])
+    build_initial_rows(specs, seed, store.write_initial, chunk_rows=777, into=store.initial_view, workers=2)
+    digest = hashlib.sha256()
+    for tensor in store.rows.tensors().values():
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    assert digest.hexdigest()[:32] == BUILT_BEFORE[precision]
+
+
 def test_quantizing_rows_alone_or_together_gives_the_same_bits():
     x = rows(64, 16, seed=2)
     key = RoundingKey(4, torch.zeros(64, dtype=torch.int64), torch.arange(64), 11)

@@ -260,3 +260,38 @@ def test_a_scale_above_one_grows_the_tables_past_kaggle(tmp_path):
     with pytest.raises(UserError, match="2\\*\\*31"):
         generate(SyntheticConfig(rows=100, cardinality_scale=1000.0), tmp_path / "huge")
     assert not (tmp_path / "huge").exists()
+
+
+def test_cardinalities_give_each_table_its_rows(tmp_path):
+    """dataset.synthetic.cardinalities replaces the Kaggle profile the scale
+    applies to: at scale 1.0 the tables have exactly those rows (MLPerf
+    DLRM-DCNv2's, dataset=synthetic_mlperf; checked here at 1/20 000, as
+    the generated manifest says them); a list of the wrong length is
+    refused; an unset list keeps every earlier dataset's cache key."""
+    import dataclasses
+
+    import yaml
+
+    from data_tools.synthetic import MLPERF_CARDINALITIES, config_hash, profile
+
+    assert sum(MLPERF_CARDINALITIES) == 204_184_588
+    shipped = yaml.safe_load((Path(__file__).parent.parent / "configs/dataset/synthetic_mlperf.yaml").read_text())
+    assert shipped["synthetic"]["cardinalities"] == MLPERF_CARDINALITIES
+    assert vocab_sizes(SyntheticConfig(cardinality_scale=1.0, cardinalities=MLPERF_CARDINALITIES)) == MLPERF_CARDINALITIES
+    small = [max(3, c // 20_000) for c in MLPERF_CARDINALITIES]
+    m = generate(SyntheticConfig(rows=3_000, cardinality_scale=1.0, cardinalities=small), tmp_path / "mlperf")
+    assert [f.vocab_size for f in m.sparse_features] == small
+    assert profile(SyntheticConfig()) == KAGGLE_CARDINALITIES
+    with pytest.raises(UserError, match="cardinalities must be 26 integers"):
+        generate(SyntheticConfig(rows=100, cardinalities=[5] * 25), tmp_path / "short")
+    assert not (tmp_path / "short").exists()
+    import hashlib
+    import json
+
+    from data_tools.synthetic import GENERATOR_VERSION
+
+    default = SyntheticConfig()
+    before = {k: v for k, v in dataclasses.asdict(default).items() if k != "cardinalities"}  # the key without the option
+    payload = json.dumps({"generator": GENERATOR_VERSION, **before}, sort_keys=True, default=str)
+    assert config_hash(default) == hashlib.sha256(payload.encode()).hexdigest()[:16]
+    assert config_hash(SyntheticConfig(cardinalities=KAGGLE_CARDINALITIES)) != config_hash(default)

@@ -5,6 +5,14 @@ hashes of what they belong to (seed, table, row, column, step) instead of
 draws from a sequential generator, so they do not depend on chunking, order,
 placement or thread timing. The arithmetic never leaves int64 (products are
 split into 16-bit halves), so CPU and CUDA give the same bits.
+
+fmix32_int32_ computes the same function on int32 tensors holding the 32-bit
+patterns (a value >= 2**31 stored as its two's complement): a product wraps
+mod 2**32 (the low half of the machine multiply, on CPU and CUDA alike) and
+a right shift is made logical by masking off the sign bits it copies. Half
+the bytes and a third of the ops of the int64 form: it is what the
+per-element hashes of stochastic rounding use (quant.counter_hash), where
+building the tables spent most of its time.
 """
 
 from __future__ import annotations
@@ -29,3 +37,26 @@ def fmix32(h):
     h = h ^ (h >> 13)
     h = mul32(h, 0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+def _as_int32(c: int) -> int:
+    """A 32-bit constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+_FMIX_C1, _FMIX_C2 = _as_int32(0x85EBCA6B), _as_int32(0xC2B2AE35)
+
+
+def fmix32_int32_(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """fmix32 in place on an int32 tensor of 32-bit patterns (scratch: an
+    int32 tensor of h's shape, overwritten); returns h. Bit for bit
+    fmix32(h & MASK32) as int64, tests/test_precision.py checks."""
+    torch.bitwise_right_shift(h, 16, out=scratch)
+    h ^= scratch.bitwise_and_(0xFFFF)  # logical shift: keep the 16 bits below the copied sign
+    h.mul_(_FMIX_C1)
+    torch.bitwise_right_shift(h, 13, out=scratch)
+    h ^= scratch.bitwise_and_(0x7FFFF)
+    h.mul_(_FMIX_C2)
+    torch.bitwise_right_shift(h, 16, out=scratch)
+    h ^= scratch.bitwise_and_(0xFFFF)
+    return h

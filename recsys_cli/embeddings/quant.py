@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recsys_cli.embeddings.counter import MASK32, fmix32
+from recsys_cli.embeddings.counter import MASK32, fmix32, fmix32_int32_
 
 # Steps used as keys by writes that are not a training step's.
 INIT_STEP = -1  # the table's first quantization
@@ -40,18 +40,29 @@ def counter_hash(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.
 
     table, row: int64 [n]; step: int64 [n] or one int. A pure function of its
     arguments, computed with elementwise integer ops (the same bits on CPU and CUDA)."""
+    return counter_hash_bits(seed, table, row, step, width).to(torch.int64) & MASK32
+
+
+def counter_hash_bits(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.Tensor | int,
+                      width: int) -> torch.Tensor:
+    """counter_hash's hashes as int32 bit patterns [n, width] (what stochastic
+    rounding reads: uniform_noise, round_to_fp16 mask them). The per-row
+    part is hashed in int64 (n values); the per-element part, width times
+    more, in int32 (counter.fmix32_int32_)."""
     device = row.device
     step = torch.as_tensor(step, dtype=torch.int64, device=device).expand(row.shape)
     h = torch.full(row.shape, seed & MASK32, dtype=torch.int64, device=device)
     for word in (table & MASK32, row & MASK32, row >> 32, step & MASK32):
         h = fmix32(h ^ word ^ 0x9E3779B9)  # the constant keeps all-zero keys off fmix32's fixed point 0
-    h = h.unsqueeze(1) ^ torch.arange(width, dtype=torch.int64, device=device)
-    return fmix32(fmix32(h))
+    # int64 -> int32 keeps the low 32 bits (the pattern); the column is xored in as before
+    h32 = h.to(torch.int32).unsqueeze(1) ^ torch.arange(width, dtype=torch.int32, device=device)
+    scratch = torch.empty_like(h32)
+    return fmix32_int32_(fmix32_int32_(h32, scratch), scratch)
 
 
 def uniform_noise(hashes: torch.Tensor) -> torch.Tensor:
-    """fp32 in [0, 1) from 32-bit hashes: their top 24 bits, exactly."""
-    return (hashes >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    """fp32 in [0, 1) from 32-bit hashes (int64 values or int32 patterns): their top 24 bits, exactly."""
+    return ((hashes >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,8 @@ class RoundingKey:
     step: torch.Tensor | int
 
     def hashes(self, width: int) -> torch.Tensor:
-        return counter_hash(self.seed, self.table, self.row, self.step, width)
+        """int32 bit patterns [n, width] (counter_hash_bits)."""
+        return counter_hash_bits(self.seed, self.table, self.row, self.step, width)
 
 
 def _round(x: torch.Tensor, rounding: str, noise: torch.Tensor | None) -> torch.Tensor:
@@ -132,7 +144,7 @@ def dequantize_rows(codes: torch.Tensor, scale_bias: torch.Tensor, bits: int) ->
 
 
 def round_to_fp16(x: torch.Tensor, rounding: str, hashes: torch.Tensor | None = None) -> torch.Tensor:
-    """hashes: int64 of x's shape (RoundingKey.hashes) for stochastic rounding."""
+    """hashes: x's shape of 32-bit hashes, int64 or int32 patterns (RoundingKey.hashes), for stochastic rounding."""
     if rounding == "nearest":
         return x.half()
     # fp16 keeps 10 of fp32's 23 mantissa bits: add uniform noise to the 13

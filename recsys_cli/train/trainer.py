@@ -38,6 +38,7 @@ from recsys_cli.errors import UserError, say
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.auto_placement import auto_placement, expected_lookups
+from recsys_cli.train.dense_adagrad import ChunkedAdagrad
 from recsys_cli.train.loggers import make_log
 from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
@@ -122,9 +123,9 @@ class Trainer:
         if opt.name == "sgd":
             self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, foreach=True)
         else:
-            self.dense_optimizer = torch.optim.Adagrad(
+            # foreach's arithmetic in cache-sized pieces on CPU (dense_adagrad.py): the same bits, faster
+            self.dense_optimizer = ChunkedAdagrad(
                 self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator,
-                foreach=True,
             )
 
         # Plans are made on the loader thread; on CUDA the batch and its plans are also pinned there.

@@ -8,6 +8,8 @@ number in its name (day_7, day_7.gz, criteo_day7.tsv); the files must be days
 0 .. K-1, each once. K = 24 is the full data set; 2 <= K < 24 is a sample
 (train = days 0 .. K-2, the last day halved), stated in the summary and in
 manifest.options.terabyte_days. Anything else is refused before any work.
+(MLPerf's DLRM-DCNv2 loader, mlcommons/training recommendation_v2, halves
+day 23 the other way round: first half validation, second half test.)
 """
 
 from __future__ import annotations

@@ -134,6 +134,7 @@ class _BlockWork:
         result = BlockResult(d.rows, ch.skipped, ch.bad_lines, block.file_index, block.first_line, block.bytes_read,
                              self.reader.first_skipped)
         if self.job.encoding is None:
+            d.dense_raw = None  # the passes use the transformed dense values: not copied back from a worker
             result.decoded = d
         else:
             assert self.vocabulary is not None and self.schema is not None

@@ -113,7 +113,6 @@ EXAMPLES = {
     "criteo": ("recsys preprocess criteo input=train.txt output=data/kaggle",
                "recsys preprocess criteo input=test.txt output=data/kaggle-test vocab=data/kaggle labels=false"),
     "synthetic": ("recsys preprocess synthetic output=data/synthetic",
-                  "recsys preprocess synthetic rows=100000 output=raw.tsv.gz format=tsv",
                   "recsys preprocess synthetic profile=terabyte cardinality_scale=1 rows=2400000 days=24 gz=true "
                   "format=tsv output=raw-days"),
 }

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test verify chaos bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
+.PHONY: setup train test docs verify chaos bench bench-soak bench-headline bench-peers peers-setup gpu-wheels gpu-env gpu-check gpu-check-dry clean
 
 setup: $(STAMP)
 
@@ -26,11 +26,17 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/pytest $(ARGS)
 
-# The long matrix (README, Testing): 300 differential combinations and the
+# The long matrix (docs/development.md, Testing): 300 differential combinations and the
 # fuzzed parser with 20,000 new examples a test (tests/test_parser_fuzz.py),
 # then every test marked `verify` (the command-line reproducibility and
 # kill/resume checks of every combination, and the rest that `make test` keeps
 # one fast case of).
+# The generated reference pages (docs/reference/config.md, commands.md) from
+# the schema and the commands' --help; tests/test_docs.py fails when the
+# committed pages differ from what this writes.
+docs: setup
+	$(BIN)/python -m recsys_cli.reference_docs
+
 verify: setup
 	RECSYS_VERIFY=1 RECSYS_DIFF_COMBOS=300 $(BIN)/pytest tests/test_differential.py tests/test_parser_fuzz.py $(ARGS)
 	RECSYS_VERIFY=1 $(BIN)/pytest -m verify $(ARGS)
@@ -57,7 +63,7 @@ bench-soak: setup
 bench-headline: setup
 	$(BIN)/python -m bench.headline --record $(ARGS)
 
-# The device check (README, GPU): tests on CUDA, exactness and determinism on
+# The device check (docs/how-to/gpu.md): tests on CUDA, exactness and determinism on
 # CUDA, placement timings and prefetch overlap; one CUDA GPU, ~4 minutes.
 # It runs in its own venv on the machine's torch (PYTHON: the Python whose
 # torch is built for its CUDA, >= 2.11), installed offline from wheels/, which

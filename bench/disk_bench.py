@@ -116,7 +116,7 @@ LARGE_CHILD = """
 import json, resource, sys, time
 from bench.disk_bench import config
 from recsys_cli.train.trainer import Trainer
-from recsys_cli.train import checkpoint as ckpt
+from recsys_cli import checkpoints as ckpt
 from pathlib import Path
 rows, scale, batch, steps, precision, ratio, disk_path, ck = sys.argv[1:9]
 cfg = config(int(rows), float(scale), int(batch), int(steps),

@@ -75,7 +75,7 @@ def build(work: Path, rows: int) -> tuple[Path, Path, Path]:
         state = {"step": 0, "model": model, "tables": tables, "features": dict(zip(CRITEO_SPARSE, sizes)),
                  "config": OmegaConf.to_container(tc, resolve=True), "dataset_dir": str(data.absolute()),
                  "vocabulary": entry_fingerprint(data), "table_tiers": {name: "device" for name in CRITEO_SPARSE}}
-        from recsys_cli.train.checkpoint import save_checkpoint
+        from recsys_cli.checkpoints import save_checkpoint
 
         save_checkpoint(ckpt, 0, state)
     return raw, data, ckpt

@@ -51,7 +51,7 @@ class MLPInit(Choice):
 
 class DensePrecision(Choice):
     fp32 = "fp32"
-    bf16 = "bf16"  # autocast of the MLPs (README, Speed); needs a bf16 path (device.require_bf16)
+    bf16 = "bf16"  # autocast of the MLPs (docs/explanation/performance.md); needs a bf16 path (device.require_bf16)
 
 
 class PlacementKind(Choice):
@@ -157,7 +157,7 @@ class ModelConfig:
     init: MLPInit = MLPInit.dlrm
     # When set, the dataset's sparse features must be exactly these.
     features: Optional[list[str]] = None
-    # Speed options for the dense half (README, Speed): torch.compile of the
+    # Speed options for the dense half (docs/explanation/performance.md): torch.compile of the
     # MLPs and interaction for training steps, and bf16 autocast of the MLPs.
     # Both off by default: the default is the exact fp32 path.
     compile: bool = False
@@ -271,9 +271,11 @@ class TrainerConfig:
     # (multi-process runs: a rank that hangs cannot hang the others forever).
     dist_timeout: float = 120.0
     progress: bool = True  # a progress bar on a terminal (progress lines otherwise)
-    # torch compute (intra-op) threads while training; unset: the cores this
-    # process may use minus one per busy background thread (loader,
-    # prefetcher), at least one (train/threads.py).
+    # torch compute (intra-op) threads while training; unset: the rule of
+    # train/threads.py: the cores this process may use (shared among the
+    # machine's processes), all of them for a wide step (matrix products of
+    # 4e8 multiply-adds or more), else minus one per busy background thread
+    # (loader, prefetcher), at least one.
     threads: Optional[int] = None
     loader_queue_depth: int = 8  # batches the background loader may hold ready
     # metrics.jsonl is always written; tensorboard also writes the same scalars

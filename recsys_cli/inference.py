@@ -184,7 +184,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     the tables live (default: the device, except tables trained in host
     memory, which stay on the host when the device is a GPU)."""
     from recsys_cli.embeddings.disk_checkpoint import materialize
-    from recsys_cli.train import checkpoint as ckpt
+    from recsys_cli import checkpoints as ckpt
     from recsys_cli.device import resolve_device
 
     path = find_run_checkpoint(location)
@@ -246,7 +246,7 @@ def build_dlrm(tables: InferenceTables, spec: dict) -> nn.Module:
 
 def find_run_checkpoint(location: str | Path) -> Path:
     """A .pt file, a checkpoint directory, or a run directory (its checkpoints/)."""
-    from recsys_cli.train import checkpoint as ckpt
+    from recsys_cli import checkpoints as ckpt
 
     location = Path(location).expanduser()
     if not location.exists():

@@ -256,7 +256,7 @@ def upgrade(path: Path | str) -> str:
     import os
 
     from recsys_cli.checksum import HashingWriter
-    from recsys_cli.train.checkpoint_record import read_record, record_path, write_record
+    from recsys_cli.checkpoints.record import read_record, record_path, write_record
 
     path = Path(path)
     if not path.is_file() or path.suffix != ".pt":

@@ -73,8 +73,7 @@ def checkpoint_directory(directory: Path) -> Path | None:
 
 
 def verify_checkpoints(directory: Path) -> None:
-    from recsys_cli.train.checkpoint import unsafe_problems
-    from recsys_cli.train.checkpoint_record import checkpoint_problems
+    from recsys_cli.checkpoints.verify import checkpoint_problems, unsafe_problems
 
     checkpoints = sorted(directory.glob("step-*.pt"))
     found = [line for ckpt in checkpoints for line in checkpoint_problems(ckpt) or unsafe_problems(ckpt)]

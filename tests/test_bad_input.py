@@ -530,8 +530,8 @@ def test_disk_full_at_a_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch
     traceback (exit 1) and left the .tmp file on the full disk (issue 27)."""
     import builtins
 
+    from recsys_cli.checkpoints import write as checkpoint
     from recsys_cli.errors import UserError
-    from recsys_cli.train import checkpoint
     from recsys_cli.train.trainer import Trainer
 
     data = tiny_dataset(tmp_path)
@@ -568,7 +568,7 @@ FULL_AT_THE_SECOND_CHECKPOINT = """
 import resource, signal, sys
 sys.argv = ["recsys", "train", *sys.argv[1:]]
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the file-size limit a write fails, as on a full disk
-from recsys_cli.train import checkpoint
+from recsys_cli import checkpoints as checkpoint
 save = checkpoint.save_checkpoint
 def save_on_a_filling_disk(directory, step, state, *args, **kwargs):
     if step > 4:  # the disk fills: no file may grow past 4 KiB from now on
@@ -598,7 +598,7 @@ def test_a_failed_checkpoint_write_is_one_line_exit_2_and_leaves_no_tmp(tmp_path
 def test_a_damaged_latest_json_falls_back_to_the_newest_checkpoint(tmp_path, capsys):
     """A truncated latest.json was a JSONDecodeError traceback on resume (issue 27)."""
     from recsys_cli.errors import UserError
-    from recsys_cli.train import checkpoint
+    from recsys_cli import checkpoints as checkpoint
     from recsys_cli.train.trainer import Trainer
 
     data = tiny_dataset(tmp_path)
@@ -666,7 +666,8 @@ def slow_checkpoint_run(container: dict, sleep_s: float) -> dict | None:
     from omegaconf import OmegaConf
 
     from recsys_cli.config import TrainConfig
-    from recsys_cli.train import checkpoint, distributed
+    from recsys_cli import checkpoints as checkpoint
+    from recsys_cli.train import distributed
     from recsys_cli.train.trainer import Trainer
 
     real = checkpoint.save_checkpoint
@@ -707,7 +708,7 @@ def test_ranks_wait_for_a_checkpoint_longer_than_the_step_timeout(tmp_path):
 
 
 def test_host_tables_are_checkpointed_without_a_copy(tmp_path):
-    from recsys_cli.train.checkpoint import load_checkpoint
+    from recsys_cli.checkpoints import load_checkpoint
     from recsys_cli.train.trainer import Trainer
 
     data = tiny_dataset(tmp_path, vocab=20000)

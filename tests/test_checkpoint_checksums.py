@@ -19,7 +19,7 @@ from train_config import config
 
 from recsys_cli.embeddings import disk_checkpoint
 from recsys_cli.errors import UserError
-from recsys_cli.train.checkpoint_record import read_record
+from recsys_cli.checkpoints.record import read_record
 
 STEPS = dict(trainer__batch_size=50, trainer__checkpoint_every=3, optimizer__lr=LR, trainer__device="cpu",
              placement__kind="disk", placement__host_cache_rows=8)
@@ -141,7 +141,7 @@ def as_crc32_records(run_dir: Path) -> None:
     """Rewrite every record of a run as a run checkpointed before XXH3-64 wrote them: crc32 per file."""
     import zlib
 
-    from recsys_cli.train.checkpoint_record import write_record
+    from recsys_cli.checkpoints.record import write_record
 
     for pt in sorted((run_dir / "checkpoints").glob("step-*.pt")):
         write_record(pt, {n: {"bytes": (pt.parent / n).stat().st_size,
@@ -153,7 +153,7 @@ def test_a_run_recorded_with_crc32_before_xxh3_is_still_checked(run, tmp_path, k
     """Older records name crc32: an intact run still verifies and loads, and a
     damaged file of it is still one line naming the file."""
     from recsys_cli.inference import load_model
-    from recsys_cli.train.checkpoint_record import checkpoint_problems
+    from recsys_cli.checkpoints.verify import checkpoint_problems
 
     src, data = run
     intact = tmp_path / "intact"

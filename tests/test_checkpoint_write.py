@@ -72,7 +72,7 @@ sys.path.insert(0, {tests!r})
 import embedding_harness
 embedding_harness.VOCAB = [400_000] * len(embedding_harness.FEATURES)
 from embedding_harness import build, make_batches, train
-from recsys_cli.train.checkpoint import save_checkpoint
+from recsys_cli.checkpoints import save_checkpoint
 from recsys_cli.train.memory import current_rss_bytes, peak_rss_bytes
 
 model, opt = build({{"kind": "lookahead", "cache_rows": 4000, "window": 2}}, {{"kind": "int8"}}, optimizer="adagrad")

@@ -2,7 +2,7 @@
 every YAML file under configs/ composes against the structured schema
 (recsys_cli/config.py), passes `validate`, and trains a Trainer for one step
 where it can (on small synthetic data); the `recsys train` commands of the
-README compose exactly as written; a typo or a bad choice in a YAML file
+README and docs/ compose exactly as written; a typo or a bad choice in a YAML file
 fails at composition, naming the key.
 """
 
@@ -117,18 +117,13 @@ def test_each_yaml_trains_one_step(group, option, small_data):
         assert summary[group] == cfg[group].kind
 
 
-# --- the README's commands -----------------------------------------------------------------
+# --- the documented commands ---------------------------------------------------------------
 def readme_train_commands() -> list[str]:
-    """Every `recsys train ...` line of the README's code blocks, continuation
-    lines joined, comments cut."""
-    text = (REPO / "README.md").read_text()
-    commands = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split(" #", 1)[0].strip()
-            if line.startswith("recsys train"):
-                commands.append(line)
-    return commands
+    """Every `recsys train ...` line of the code blocks of README.md and
+    docs/ (tests/test_docs.py's reader: continuation lines joined, comments cut)."""
+    from test_docs import PAGES, command_lines
+
+    return [line for page in PAGES for line in command_lines(page.read_text()) if line.startswith("recsys train")]
 
 
 def expand_sweeps(args: list[str]) -> list[list[str]]:

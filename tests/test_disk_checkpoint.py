@@ -14,8 +14,8 @@ import torch
 from embedding_harness import build, dense_state, make_batches, tables_fp32, train
 from recsys_cli.embeddings.disk_checkpoint import materialize
 from recsys_cli.errors import UserError
-from recsys_cli.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from recsys_cli.train.checkpoint_record import read_record
+from recsys_cli.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from recsys_cli.checkpoints.record import read_record
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)
 
@@ -135,7 +135,7 @@ KILLED_SAVE = textwrap.dedent("""
     from pathlib import Path
     from embedding_harness import build, make_batches, train
     from recsys_cli.embeddings import disk_checkpoint
-    from recsys_cli.train.checkpoint import save_checkpoint
+    from recsys_cli.checkpoints import save_checkpoint
     from test_disk_checkpoint import DISK, model_state
 
     batches = make_batches(20, batch_size=16)
@@ -216,7 +216,7 @@ def test_the_rows_of_a_failed_save_reach_the_next_one(tmp_path, monkeypatch):
     of a write during a save does not see it.)"""
     import errno
 
-    from recsys_cli.train import checkpoint
+    from recsys_cli.checkpoints import write as checkpoint
 
     model, opt = build({**DISK, "disk_path": str(tmp_path / "live")}, optimizer="adagrad")
     train(BATCHES[:10], model, opt)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recsys_cli.embeddings.disk_checkpoint import materialize
-from recsys_cli.train.checkpoint import load_checkpoint
+from recsys_cli.checkpoints import load_checkpoint
 from commands import RECSYS
 from test_resume_exact import SMALL, assert_identical, records, recsys
 

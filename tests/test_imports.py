@@ -1,5 +1,7 @@
 """The import graph of the two packages: every module imports in a fresh
-interpreter, there are no cycles, and data_tools never imports recsys_cli.
+interpreter, there are no cycles, the packages form the stack LAYERS names
+(a module imports only from its own floor or below), and data_tools never
+imports recsys_cli. `python tests/test_imports.py` prints the floors.
 
 The graph is read from the source (ast), counting every import, also the ones
 inside functions: a function-level import that closes a cycle only moves the
@@ -17,6 +19,29 @@ PACKAGES = ("data_tools", "recsys_cli")
 # Cycles that exist and have an owner removing them; the test fails on any
 # other cycle, and on one of these growing.
 KNOWN_CYCLES: list[set[str]] = []  # none: a new cycle fails the test
+
+# The stack, top floor first (docs/architecture.md, "Layers"): a unit (a
+# subpackage of recsys_cli, a top-level module, or data_tools) imports only
+# units of a lower floor. Training and inference both stand on the checkpoint
+# format; neither reaches into the other. Units not named here (the
+# foundations: errors, config, checksum, safe_load, ...) are free but for cycles.
+LAYERS: list[set[str]] = [
+    {"cli"},
+    {"evaluate", "export", "verify"},
+    {"predict"},
+    {"inference", "train"},
+    {"checkpoints", "model"},
+    {"embeddings"},
+    {"data"},
+    {"data_tools"},
+]
+# The arrows up that stay, each with its reason (module -> module).
+ARROWS_UP = {
+    ("recsys_cli.data.batch", "recsys_cli.embeddings.plan"),  # TYPE_CHECKING only: the type of a batch's plans
+    # `python -m recsys_cli.safe_load upgrade` (safe_load.upgrade, at call time)
+    # rewrites a checkpoint's record; record.py imports nothing of recsys_cli but checksum.
+    ("recsys_cli.safe_load", "recsys_cli.checkpoints.record"),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -116,6 +141,55 @@ def test_no_import_cycles():
     assert not unexpected, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in unexpected)
 
 
+def unit(module: str) -> str:
+    """The unit of LAYERS a module belongs to."""
+    parts = module.split(".")
+    if parts[0] == "data_tools":
+        return "data_tools"
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each unit's floor: 1 for a unit that imports no other, else one above
+    the highest unit it imports (the graph between units, without ARROWS_UP)."""
+    units: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        units.setdefault(unit(name), set()).update(
+            unit(d) for d in deps if unit(d) != unit(name) and (name, d) not in ARROWS_UP)
+    out: dict[str, int] = {}
+
+    def floor(u: str, path: tuple[str, ...] = ()) -> int:
+        if u in path:
+            raise ValueError("units import each other: " + " -> ".join((*path, u)))
+        if u not in out:
+            out[u] = 1 + max((floor(d, (*path, u)) for d in units[u]), default=0)
+        return out[u]
+
+    for u in sorted(units):
+        floor(u)
+    return out
+
+
+def test_floors_follow_the_arrows():
+    assert floors({"recsys_cli.a.x": {"recsys_cli.b.y"}, "recsys_cli.b.y": set(), "recsys_cli.c": {"recsys_cli.a.x"}}) \
+        == {"a": 2, "b": 1, "c": 3}
+    assert unit("recsys_cli.checkpoints.write") == "checkpoints" and unit("data_tools.shards") == "data_tools"
+
+
+def test_the_packages_form_the_stack():
+    """No import climbs: each module imports only units below its own in
+    LAYERS (or its own unit), except the ARROWS_UP. The checkpoint format
+    (recsys_cli/checkpoints/) sits below both training and inference."""
+    level = {u: len(LAYERS) - i for i, floor in enumerate(LAYERS) for u in floor}
+    up = sorted(f"{name} -> {d}" for name, deps in GRAPH.items() for d in deps
+                if unit(name) != unit(d) and unit(name) in level and unit(d) in level
+                and level[unit(d)] >= level[unit(name)] and (name, d) not in ARROWS_UP)
+    assert not up, "imports that climb the stack: " + "; ".join(up)
+    assert all(u in {unit(m) for m in GRAPH} for floor in LAYERS for u in floor)  # no stale name
+    assert ARROWS_UP <= {(name, d) for name, deps in GRAPH.items() for d in deps}  # each still exists
+    assert "recsys_cli.checkpoints" in {d for d in GRAPH["recsys_cli.inference"] | GRAPH["recsys_cli.train.trainer"]}
+
+
 def test_data_tools_never_imports_recsys_cli():
     bad = {name: sorted(m for m in deps if m.startswith("recsys_cli"))
            for name, deps in GRAPH.items() if name.startswith("data_tools")}
@@ -164,3 +238,11 @@ def test_test_files_run_alone_from_any_directory(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert all(f"{name}: " in done.stdout for name in files), done.stdout[-2000:]  # each collected
+
+
+if __name__ == "__main__":  # the floors, top first
+    by_floor: dict[int, list[str]] = {}
+    for name, f in floors(GRAPH).items():
+        by_floor.setdefault(f, []).append(name)
+    for f in sorted(by_floor, reverse=True):
+        print(f, " ".join(sorted(by_floor[f])))

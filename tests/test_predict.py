@@ -437,7 +437,7 @@ def test_predict_any_placement_and_precision(trained, tmp_path, placement, preci
         return c
 
     Trainer(cfg()).fit()
-    from recsys_cli.train.checkpoint import find_checkpoint, load_checkpoint
+    from recsys_cli.checkpoints import find_checkpoint, load_checkpoint
 
     resumed = Trainer(cfg(trainer__resume=str(tmp_path / "ck")))
     # the tables as saved, no cache: a resume also restores the cache's fp32 rows, which predict does not use

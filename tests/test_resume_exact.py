@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from embedding_harness import assert_identical as harness_identical
-from recsys_cli.train import shard_checkpoint as shards
+from recsys_cli import checkpoints as shards
 from commands import RECSYS
 
 pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algorithms (tests/conftest.py)

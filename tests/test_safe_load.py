@@ -29,9 +29,11 @@ from train_config import config
 from recsys_cli import safe_load
 from recsys_cli.checksum import Checksum
 from recsys_cli.errors import UserError
-from recsys_cli.train import checkpoint as ckpt
-from recsys_cli.train import shard_checkpoint as sc
-from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record, write_record
+from recsys_cli import checkpoints as ckpt
+from recsys_cli import checkpoints as sc
+from recsys_cli.checkpoints import layout, reshard
+from recsys_cli.checkpoints.record import read_record, write_record
+from recsys_cli.checkpoints.verify import checkpoint_problems
 from recsys_cli.verify import run_verify
 
 STEP = 4
@@ -84,9 +86,9 @@ def _rewrite(path: Path, data: bytes, checkpoint: Path) -> None:
         files[path.name] = _record_of(data)
     else:
         directory = path.parent
-        manifest = sc._read_manifest(directory)
+        manifest = layout.read_manifest(directory)
         manifest["files"][path.name] = _record_of(data)
-        sc._write_manifest(directory / sc.MANIFEST, manifest)
+        layout.write_manifest(directory / sc.MANIFEST, manifest)
         files[f"{directory.name}/{path.name}"] = _record_of(data)
         files[f"{directory.name}/{sc.MANIFEST}"] = _record_of((directory / sc.MANIFEST).read_bytes())
     write_record(checkpoint, files)  # type: ignore[arg-type]
@@ -172,7 +174,7 @@ def test_a_planted_payload_is_refused_by_every_reader_and_never_runs(run, tmp_pa
     expected = f"refused {what} {path}: it holds posix.system, which is not plain data"
     calls = readers(run, copy, tmp_path)
     if where == "shard file":  # read only by a sharded resume on the world size that saved it
-        calls = {"sharded resume": lambda: sc.reader(path.parent).caches(0, 1), "verify": calls["verify"]}
+        calls = {"sharded resume": lambda: reshard.reader(path.parent).caches(0, 1), "verify": calls["verify"]}
     if where == "shard index":  # and by each rank of a sharded resume reading its own rows (re-sharding)
         calls["re-sharding"] = lambda: sc.load_shard(path.parent, "C1", 0, 1)
     for name, call in calls.items():

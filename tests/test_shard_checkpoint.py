@@ -1,4 +1,4 @@
-"""Checkpoints of sharded tables (recsys_cli/train/shard_checkpoint.py, issue 29 item 4).
+"""Checkpoints of sharded tables (recsys_cli/checkpoints/shard_write.py, reshard.py, issue 29 item 4).
 
 Real RowStores (fp32 and int8, Adagrad state width 1) with a cache's dirty
 rows as a patch, saved row-wise and table-wise by 2 gloo processes (one
@@ -24,9 +24,11 @@ from recsys_cli.embeddings.sharding import row_ranges
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
 from recsys_cli.errors import UserError
-from recsys_cli.train import checkpoint as ckpt
-from recsys_cli.train import shard_checkpoint as sc
-from recsys_cli.train.checkpoint_record import checkpoint_problems, read_record
+from recsys_cli import checkpoints as ckpt
+from recsys_cli import checkpoints as sc
+from recsys_cli.checkpoints import shard_write
+from recsys_cli.checkpoints.record import read_record
+from recsys_cli.checkpoints.verify import checkpoint_problems
 
 DIM = 4
 # (precision, tables): each store fuses its tables, as a TableGroup does
@@ -299,7 +301,7 @@ def test_a_row_range_of_a_large_store_is_written_without_the_rest_of_it(tmp_path
     build_initial_rows([TableSpec("big", 20000, 16)], 0, store.write_initial, into=store.initial_view)
     piece = store.table_snapshot(TableSpec("big", 20000, 16), 100, 150)
     assert piece["weights"].untyped_storage().nbytes() == 20000 * 16 * 4
-    assert sc._exact(piece["weights"]).data_ptr() == piece["weights"].data_ptr()
+    assert shard_write._exact(piece["weights"]).data_ptr() == piece["weights"].data_ptr()
     directory = sc.save_shards(tmp_path / "s", {"big": (100, 150, piece)}, None, 0, 1)
     assert (directory / "__0_0.distcp").stat().st_size < 50 * 17 * 4 + 8192
     assert torch.equal(sc.load_shard(directory, "big", 100, 150)["weights"], piece["weights"])
@@ -325,7 +327,7 @@ def test_a_disk_shard_is_written_chunk_by_chunk_and_reads_back_as_its_disk_check
     def patch():
         return dirty, store.encode(dirty, dirty_rows, step=STEP), torch.full((2, 1), 0.5)
 
-    monkeypatch.setattr(sc, "CHUNK_BYTES", 5 * store.record_bytes)  # 12 rows: chunks of 5, 5 and 2
+    monkeypatch.setattr(shard_write, "CHUNK_BYTES", 5 * store.record_bytes)  # 12 rows: chunks of 5, 5 and 2
     directory = sc.save_shards(tmp_path / "s", {"f": (20, 32, store.table_snapshot(spec, 0, 12, patch=patch))},
                                None, 0, 1)
     assert [(p.lo, p.hi) for p in sc.ShardReader(directory).pieces_of("f")] == [(20, 25), (25, 30), (30, 32)]
@@ -348,7 +350,7 @@ def test_a_full_disk_in_a_shard_save_is_one_line_with_the_space_needed(tmp_path,
     tables = build()
     sc.save_shards(sc.shard_dir(tmp_path, STEP), pieces_of(0, 1, tables), caches_of(0), 0, 1)
     (tmp_path / ckpt.step_file(STEP)).write_bytes(b"\0" * 1000)  # the earlier checkpoint's .pt
-    real_write = sc._HashingStream.write if where == "shards" else sc.HashingWriter.write
+    real_write = shard_write._HashingStream.write if where == "shards" else shard_write.HashingWriter.write
     sent = [0]
 
     def fills_up(self, data):  # a few bytes pass, then the disk is full
@@ -357,7 +359,7 @@ def test_a_full_disk_in_a_shard_save_is_one_line_with_the_space_needed(tmp_path,
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(self, data)
 
-    monkeypatch.setattr(sc._HashingStream if where == "shards" else sc.HashingWriter, "write", fills_up)
+    monkeypatch.setattr(shard_write._HashingStream if where == "shards" else shard_write.HashingWriter, "write", fills_up)
     with pytest.raises(UserError) as failed:
         sc.save_shards(sc.shard_dir(tmp_path, 20), pieces_of(0, 1, tables), caches_of(0), 0, 1,
                        space_note=ckpt.space_note)  # as the sharded strategy passes it

@@ -21,7 +21,7 @@ from recsys_cli.config import TrainConfig
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.sharded import ShardedEmbeddingBagCollection, build_sharded_embeddings
 from recsys_cli.errors import UserError
-from recsys_cli.train import checkpoint as ckpt
+from recsys_cli import checkpoints as ckpt
 from recsys_cli.train import distributed
 from recsys_cli.train.memory import peak_rss_bytes
 from recsys_cli.train.trainer import Trainer

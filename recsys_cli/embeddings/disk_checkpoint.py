@@ -136,7 +136,7 @@ class DiskTableSnapshot:
     def patched_records(self, local: torch.Tensor, patch) -> torch.Tensor:
         """Records of sorted local rows `local` as a checkpoint saves them: the
         store's, with `patch` (what patch_of() gave) put in. A sharded
-        checkpoint (train/shard_checkpoint.py) writes a disk shard this way,
+        checkpoint (checkpoints/shard_write.py) writes a disk shard this way,
         chunk by chunk, holding the store alone (exclusive())."""
         return self._patched(local, self.store.read_records(self.table, local), patch)
 

@@ -16,7 +16,7 @@ is the row's native fields (quant.py: fp32 or fp16 weights; int8/int4 codes
 then fp16 scale and bias) followed by its fp32 optimizer state, so one read
 brings a row and its state.
 
-I/O path (README, "Disk placement"): explicit os.preadv / os.pwritev on that
+I/O path (docs/how-to/disk-tables.md): explicit os.preadv / os.pwritev on that
 file, with this store's own host cache of rows, not mmap. Why: the host
 memory a run uses must be bounded by configuration (placement.host_cache_rows
 / host_cache_ratio), and with mmap the resident pages are the kernel's

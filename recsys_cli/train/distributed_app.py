@@ -125,7 +125,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
         results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir), job_logging)
     except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
         if e.sigval == signal.SIGTERM:  # the agent passed it on: the workers stopped at a step with a checkpoint
-            from recsys_cli.train.checkpoint import newest_checkpoint
+            from recsys_cli.checkpoints.read import newest_checkpoint
 
             directory = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else run_dir / "checkpoints"
             newest = newest_checkpoint(directory) if directory.is_dir() else None

@@ -23,9 +23,8 @@ from recsys_cli.checksum import DamagedFile
 from recsys_cli.embeddings.disk_checkpoint import is_disk_table, materialize
 from recsys_cli.embeddings.sharding import ShardPlan
 from recsys_cli.errors import UserError
-from recsys_cli.train import checkpoint as ckpt
+from recsys_cli import checkpoints as ckpt
 from recsys_cli.train import distributed
-from recsys_cli.train import shard_checkpoint as shards
 from recsys_cli.train.training_data import TrainingData
 
 
@@ -88,7 +87,7 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     if sharded:
         state["tables"], state["caches"] = own_rows(into.embeddings, state["tables"])
     if "config" in state:
-        ckpt.check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
+        check_resumable(path, state["config"], OmegaConf.to_container(cfg, resolve=True))
     expected = feature_sizes(data)
     if state["features"] != expected:
         raise UserError(f"checkpoint {path} was trained on features {state['features']}, the dataset has {expected}")
@@ -173,11 +172,11 @@ def own_rows(embeddings, tables: dict) -> tuple[dict, list | None]:
     (dirty cache rows) stays beside, for load_table_state to put in or keep."""
     plan = embeddings.shard_plan
     mine = plan.owned(embeddings.rank)
-    if shards.is_sharded(tables):
+    if ckpt.is_sharded(tables):
         directory = tables["directory"]
-        rows = {s.table: shards.load_shard(directory, s.table, s.lo, s.hi) for s in mine}
+        rows = {s.table: ckpt.load_shard(directory, s.table, s.lo, s.hi) for s in mine}
         same = ShardPlan.from_dict(tables["plan"]).shards == plan.shards
-        return rows, shards.load_rank_caches(directory, embeddings.rank, plan.world_size) if same else None
+        return rows, ckpt.load_rank_caches(directory, embeddings.rank, plan.world_size) if same else None
     return {s.table: rows_of(tables[s.table], s.lo, s.hi) for s in mine}, None
 
 
@@ -196,3 +195,37 @@ def rows_of(entry: dict, lo: int, hi: int) -> dict:
 def feature_sizes(data: TrainingData) -> dict[str, int]:
     """What a checkpoint records of its dataset's features: name -> vocabulary size."""
     return {f.name: f.vocab_size for f in data.manifest.sparse_features}
+
+
+# What a resumed run may change: where and in what precision the tables live,
+# how the trainer runs (but not the batch size: the loader position counts
+# batches) and where the dataset lies. Everything else (the model, the
+# optimizer, dedup, the dataset's content) must be the checkpoint's.
+RESUMABLE = ("placement.", "precision.", "trainer.", "dataset.path", "dataset.cache_dir")
+
+NOT_RESUMABLE = ("trainer.batch_size",)
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out: dict = {}
+    for k, v in node.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def check_resumable(path: Path, saved: dict, current: dict) -> None:
+    """UserError naming every key that differs and may not change on resume.
+    Keys only one side has (a newer or older config schema) are not compared."""
+    a, b = _flatten(saved), _flatten(current)
+    differ = [
+        f"{key}={a[key]!r} in the checkpoint, {b[key]!r} now"
+        for key in sorted(a.keys() & b.keys())
+        if a[key] != b[key] and (not key.startswith(RESUMABLE) or key in NOT_RESUMABLE)
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint {path} was trained with another config: {'; '.join(differ)} (a resume may change only "
+            "placement.*, precision.*, trainer.* but trainer.batch_size, dataset.path and dataset.cache_dir)"
+        )

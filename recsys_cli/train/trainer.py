@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from recsys_cli import checkpoints as ckpt
 from recsys_cli import wait_policy
 from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, validate
 from recsys_cli.data.batch import Batch
@@ -35,7 +36,6 @@ from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.embeddings.sharded import build_sharded_embeddings
 from recsys_cli.errors import UserError, say
 from recsys_cli.model.dlrm import DLRM
-from recsys_cli.train import checkpoint as ckpt
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.auto_placement import auto_placement, expected_lookups
 from recsys_cli.train.loggers import make_log

@@ -10,7 +10,7 @@ otherwise UnionAhead's), on the prefetch group, so the exchange of batch
 i+1 overlaps the step of batch i; evaluation routes on the main thread and
 group (the training feed may still hold batches in flight then).
 
-Checkpoints: every rank writes its own shards (shard_checkpoint.py), rank
+Checkpoints: every rank writes its own shards (checkpoints/shard_write.py), rank
 0 the rest of the state beside them.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from recsys_cli import checkpoints as ckpt
 from recsys_cli.embeddings.prefetch import Prefetcher, take
-from recsys_cli.train import checkpoint, shard_checkpoint
 from recsys_cli.train.distributed import all_gather_varlen
 from recsys_cli.train.strategies.grad_sync import DataParallel
 from recsys_cli.train.union_plan import UnionAhead
@@ -66,15 +66,14 @@ class Sharded(DataParallel):
         """Every rank writes its shards and caches (one collective save, on the
         checkpoint group: a large save may outlast the step's timeout), then
         rank 0 the rest, its "tables" a reference to them."""
-        self._shards = shard_checkpoint.shard_dir(directory, step)
+        self._shards = ckpt.shard_dir(directory, step)
         pieces = {}
         state = self.embeddings.table_state(patch_beside=True)
         for group in self.embeddings.groups:
             for t in group.tables:
                 pieces[t.name] = (t.first_row, t.first_row + t.num_rows, state[t.name])
-        shard_checkpoint.save_shards(self._shards, pieces, self.embeddings.cache_snapshot(), self.ctx.rank,
-                                     self.ctx.world_size, group=self.ctx.checkpoint_group,
-                                     space_note=checkpoint.space_note)
+        ckpt.save_shards(self._shards, pieces, self.embeddings.cache_snapshot(), self.ctx.rank,
+                         self.ctx.world_size, group=self.ctx.checkpoint_group, space_note=ckpt.space_note)
         return super().checkpoint(write, directory, step)
 
     def id_counts(self, counts):
@@ -86,7 +85,7 @@ class Sharded(DataParallel):
     def checkpoint_tables(self):
         if self._shards is None:  # the tables live in the shard directory that checkpoint() writes first
             raise RuntimeError("a sharded run's checkpoint state is built inside Sharded.checkpoint")
-        return shard_checkpoint.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
+        return ckpt.tables_reference(self._shards, self.embeddings.plan.to_dict()), None
 
     def report(self):
         """Every rank calls it: the bytes each rank sent per step, and their largest (ranks send unequal amounts)."""

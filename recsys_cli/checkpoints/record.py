@@ -4,9 +4,9 @@ step-NNNNNNNN.files.json beside step-NNNNNNNN.pt names the .pt itself and
 every disk-table file (base, deltas) its tables need, with the size and
 XXH3-64 (checksum.py) computed while each was written. It is renamed into
 place before the .pt is, so a checkpoint in place always has its record.
-Every reader of a checkpoint checks the .pt against it (load_checkpoint),
-the disk files as it reads them (disk_checkpoint.py), and `recsys verify`
-checks every file of every checkpoint of a run.
+Every reader of a checkpoint checks the .pt against it (verify.py), the
+disk files as it reads them (disk_checkpoint.py), and `recsys verify`
+checks every file of every checkpoint of a run (verify.checkpoint_problems).
 
 A record written before checksums (a JSON list of disk-file names) still
 names the files a checkpoint keeps, with nothing to check them against.
@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-
-from recsys_cli.checksum import file_problem
 
 FORMAT = 2
 
@@ -53,21 +51,3 @@ def read_record(checkpoint: Path) -> dict[str, dict | None] | None:
     if isinstance(data, dict) and isinstance(data.get("files"), dict):
         return data["files"]
     return None
-
-
-def checkpoint_problems(checkpoint: Path) -> list[str]:
-    """One line per file of `checkpoint` that is missing or not as recorded
-    (reads every file whole); no record at all is a problem too."""
-    checkpoint = Path(checkpoint)
-    files = read_record(checkpoint)
-    if files is None or checkpoint.name not in files:
-        return [f"{checkpoint}: no record of its files' checksums ({record_path(checkpoint).name} is missing or "
-                "damaged, or the checkpoint is older than checksums)"]
-    found = []
-    for name, expected in files.items():
-        path = checkpoint.parent / name
-        problem = file_problem(path, expected) if expected is not None else (
-            "missing" if not path.is_file() else None)
-        if problem is not None:
-            found.append(f"checkpoint file {path} is damaged: {problem}")
-    return found

@@ -1,114 +1,55 @@
-"""Checkpoints of sharded tables (issue 29): every rank writes its own shards, any process count reads them.
+"""Writing a sharded run's tables (issue 29): every rank writes its own shards, collectively.
 
 A sharded run (embeddings/sharding.py) saves its tables beside the
-checkpoint file, in step-NNNNNNNN.shards/ (shard_dir), through
-torch.distributed.checkpoint (DCP, the library TorchRec uses):
-
-  __R_0.distcp    rank R's shards, written by rank R (DCP's FileSystemWriter)
-  .metadata       DCP's index of every key (rank 0 writes it)
-  caches-R.pt     rank R's cache snapshot, for a resume on the same world size
-  shards.json     the manifest: the pieces (table, saving rank, rows [lo, hi),
-                  precision, fields), each table's rows, the saving world size
-                  and every file's size and XXH3-64 (checksum.py)
-
-A piece is one rank's rows [lo, hi) of one table, in the entry format of
-RowStore.table_snapshot: "precision", the precision's row tensors, "state",
-and optionally a "patch" of rows a cache holds dirty (ids local to the
-piece). Its DCP keys are "<table>/rows-<lo>-<hi>/<field>" and
-"<table>/rows-<lo>-<hi>/patch/<field>": the table and the global row range,
-so a reader finds the rows whatever world size saved them. A shard on disk
-(a DiskTableSnapshot) is saved as pieces of CHUNK_BYTES of its records
-("<table>/rows-<lo>-<hi>/records", its dirty rows put in), each read from
-the store only when DCP writes it: no save holds a table in memory.
+checkpoint file, in step-NNNNNNNN.shards/ (layout.shard_dir), through
+torch.distributed.checkpoint (DCP, the library TorchRec uses); the files
+and the manifest: layout.py. A shard on disk (a DiskTableSnapshot) is saved
+as pieces of CHUNK_BYTES of its records, each read from the store (its dirty
+rows put in) only when DCP writes it: no save holds a table in memory.
 
 The ranks write into .step-NNNNNNNN.shards.tmp/, which rank 0 renames into
 place once every file and the manifest are written and fsynced: a save
 killed at any moment leaves no directory that looks complete. Each file is
 checksummed as its bytes pass to the disk (DCP's writes go through a hashing
 stream), the manifest carries its own checksum, and the checkpoint's record
-(step-NNNNNNNN.files.json, written by checkpoint.save_checkpoint) names
-every file of the directory, so `recsys verify` and a resume's search for an
-intact checkpoint check the shards too. Readers check each file before it
-is read (DamagedFile: one line naming it), and nothing read can run code
-(safe_load.py): caches-R.pt with torch.load(weights_only=True), .metadata
-with an unpickler that finds only DCP's metadata classes, DCP's reader
-through the same, and non-tensor items refused.
-
-Reading needs no process group: load_shard gives the entry for any row
-range of a table, cut from and joined across the saved pieces that overlap
-it (re-sharding 2 -> 1, 1 -> 2, 2 -> 4 on resume); assemble_tables gives
-whole tables for one process (predict, evaluate, export; through
-checkpoint.load_checkpoint).
+(step-NNNNNNNN.files.json, written by write.save_checkpoint) names every
+file of the directory, so `recsys verify` and a resume's search for an
+intact checkpoint check the shards too. Reading them back: reshard.py.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeGuard, cast
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from recsys_cli import safe_load
-from recsys_cli.checksum import ALGORITHM, Checksum, DamagedFile, HashingWriter, file_problem
+from recsys_cli.checkpoints.layout import (MANIFEST, RECORDS, SHARD_FORMAT, SUFFIX, hash_file, shard_key,
+                                           write_manifest)
+from recsys_cli.checksum import Checksum, HashingWriter
 from recsys_cli.embeddings.disk_checkpoint import DiskTableSnapshot
-from recsys_cli.embeddings.disk_records import RecordCodec
-from recsys_cli.embeddings.quant import patched_entry
 from recsys_cli.errors import UserError, write_error
 
-SUFFIX = ".shards"
-MANIFEST = "shards.json"
-FORMAT = 1
-METADATA = ".metadata"  # DCP's index file
-RECORDS = "records"  # a disk shard's field: its rows' records (disk_records.py)
+
 CHUNK_BYTES = 16 << 20  # a disk shard is read and written this many bytes of records at a time
+
 # After a failed save every rank raises; the others wait this long first, so
 # that rank 0's error is the one the launcher reports (it stops them meanwhile).
 RANK_0_FIRST_S = 3.0
 
-
-def shard_dir(checkpoint_dir: Path | str, step: int) -> Path:
-    """Where the shards of the checkpoint of `step` live: step-NNNNNNNN.shards beside step-NNNNNNNN.pt."""
-    return Path(checkpoint_dir) / f"step-{step:08d}{SUFFIX}"
-
-
-def shard_dir_of(checkpoint: Path | str) -> Path:
-    """The shard directory named after a checkpoint file (step-NNNNNNNN.pt -> step-NNNNNNNN.shards)."""
-    checkpoint = Path(checkpoint)
-    return checkpoint.with_name(checkpoint.name[: -len(".pt")] + SUFFIX)
-
-
-def tables_reference(directory: Path | str, plan: dict) -> dict:
-    """What a sharded checkpoint's .pt holds as its "tables": the shard
-    directory's name (relative to the .pt) and the plan (ShardPlan.to_dict())."""
-    return {"sharded": Path(directory).name, "plan": plan}
-
-
-def is_sharded(tables: Any) -> TypeGuard[dict]:
-    """Whether a checkpoint's "tables" value is a reference to a shard directory."""
-    return isinstance(tables, dict) and isinstance(tables.get("sharded"), str)
-
-
-def _key(table: str, lo: int, hi: int, field: str, patch: bool = False) -> str:
-    return f"{table}/rows-{lo}-{hi}/{'patch/' if patch else ''}{field}"
-
-
-# --- saving ---------------------------------------------------------------------------
-
-
-# What a full disk's error adds about space (train/checkpoint.py's space_note:
+# What a full disk's error adds about space (write.py's space_note:
 # it knows the checkpoints kept; passed in, as that module imports this one).
 SpaceNote = Callable[..., str]
 
@@ -226,13 +167,13 @@ def _state_dict(pieces: dict[str, tuple[int, int, Any]], rank: int) -> _Saving:
             if entry[k].shape[0] != hi - lo:
                 raise ValueError(f"save_shards: {table!r} rows [{lo}, {hi}): field {k!r} has "
                                  f"{entry[k].shape[0]} rows, not {hi - lo}")
-            out.state[_key(table, lo, hi, k)] = _exact(entry[k])
+            out.state[shard_key(table, lo, hi, k)] = _exact(entry[k])
         patch = entry.get("patch")
         patch_fields: list[str] = []
         if patch is not None and patch["rows"].numel():
             patch_fields = list(patch)
             for k, v in patch.items():
-                out.state[_key(table, lo, hi, k, patch=True)] = _exact(v)
+                out.state[shard_key(table, lo, hi, k, patch=True)] = _exact(v)
         out.described.append({"table": table, "rank": rank, "lo": lo, "hi": hi, "precision": entry["precision"],
                               "fields": fields, "patch": patch_fields})
     return out
@@ -251,7 +192,7 @@ def _disk_piece(out: _Saving, table: str, lo: int, hi: int, snapshot: DiskTableS
     step = max(1, CHUNK_BYTES // store.record_bytes)
     for a in range(0, hi - lo, step):
         b = min(a + step, hi - lo)
-        key = _key(table, lo + a, lo + b, RECORDS)
+        key = shard_key(table, lo + a, lo + b, RECORDS)
         out.state[key] = torch.empty((b - a, store.record_bytes), dtype=torch.uint8, device="meta")
         out.producers[key] = functools.partial(snapshot.patched_records, torch.arange(a, b), patch)
         out.described.append({"table": table, "rank": rank, "lo": lo + a, "hi": lo + b,
@@ -340,7 +281,7 @@ def _hashing_file_system() -> type:
             self.failed: OSError | None = None  # the first OSError a write raised (a full disk)
 
         @contextmanager
-        def create_stream(self, path, mode):
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
             try:
                 with super().create_stream(path, mode) as stream:
                     if "w" not in mode:
@@ -355,7 +296,7 @@ def _hashing_file_system() -> type:
             if not hashed.tainted:
                 self.written[Path(path).name] = hashed.checksum
 
-        def rename(self, path, new_path) -> None:
+        def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
             super().rename(path, new_path)
             done = self.written.pop(Path(path).name, None)
             if done is not None:
@@ -435,7 +376,7 @@ def _finish(directory: Path, tmp: Path, gathered: list[dict], world_size: int) -
     for f in sorted(tmp.iterdir()):  # a file no stream hashed, or not whole: hashed from the disk
         recorded = records.get(f.name)
         if recorded is None or recorded["bytes"] != f.stat().st_size:
-            records[f.name] = _hash_file(f)
+            records[f.name] = hash_file(f)
     pieces = sorted((p for g in gathered for p in g["pieces"]), key=lambda p: (p["table"], p["lo"]))
     tables: dict[str, int] = {}
     for g in gathered:
@@ -445,9 +386,9 @@ def _finish(directory: Path, tmp: Path, gathered: list[dict], world_size: int) -
         if a["table"] == b["table"] and b["lo"] < a["hi"]:
             raise ValueError(f"save_shards: rows [{b['lo']}, {min(a['hi'], b['hi'])}) of table {a['table']!r} are "
                              f"owned by rank {a['rank']} and rank {b['rank']} (one owner per row)")
-    body = {"format": FORMAT, "world_size": world_size, "tables": tables, "pieces": pieces,
+    body = {"format": SHARD_FORMAT, "world_size": world_size, "tables": tables, "pieces": pieces,
             "files": dict(sorted(records.items()))}
-    _write_manifest(tmp / MANIFEST, body)
+    write_manifest(tmp / MANIFEST, body)
     _fsync_dir(tmp)
     old = None
     if directory.exists():  # this step saved again: the earlier directory goes once the new one is in place
@@ -464,14 +405,6 @@ def _finish(directory: Path, tmp: Path, gathered: list[dict], world_size: int) -
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _hash_file(path: Path) -> dict:
-    got = Checksum()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            got.update(chunk)
-    return got.record()
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -480,50 +413,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(path: Path, body: dict) -> None:
-    """One line of JSON, then a line with its own XXH3-64: the manifest is
-    checked before anything it says is trusted."""
-    text = json.dumps(body, sort_keys=True)
-    with open(path, "w") as f:
-        f.write(f"{text}\n{ALGORITHM} {xxhash.xxh3_64_hexdigest(text.encode())}\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise DamagedFile(path, "missing") from None
-    except OSError as e:
-        raise DamagedFile(path, f"unreadable ({e.strerror or e})") from None
-    body, _, tail = text.partition(b"\n")
-    algorithm, _, digest = tail.decode(errors="replace").strip().partition(" ")
-    got = xxhash.xxh3_64_hexdigest(body)
-    if algorithm != ALGORITHM or got != digest:
-        said = tail.decode(errors="replace").strip()
-        raise DamagedFile(path, f"its {ALGORITHM} is {got}, its last line says {said!r}")
-    manifest = json.loads(body)
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path}: shard format {manifest.get('format')!r}, this recsys reads {FORMAT}")
-    return manifest
-
-
-def recorded_files(directory: Path | str) -> dict[str, dict]:
-    """Every file of a complete shard directory with its size and checksum
-    (names relative to it), the manifest included: what the checkpoint's
-    record lists (checkpoint.save_checkpoint)."""
-    directory = Path(directory)
-    files = dict(_read_manifest(directory)["files"])
-    files[MANIFEST] = _hash_file(directory / MANIFEST)
-    return files
-
-
 def remove_unreferenced(checkpoint_dir: Path | str) -> None:
     """Delete shard directories whose checkpoint file is gone (pruned, or a
     save killed before its .pt was written) and the temporary directories of
-    killed saves. Called after the .pt files are pruned (checkpoint.prune)."""
+    killed saves. Called after the .pt files are pruned (write.prune)."""
     checkpoint_dir = Path(checkpoint_dir)
     for d in checkpoint_dir.glob(f"step-*{SUFFIX}"):
         if d.is_dir() and not (checkpoint_dir / (d.name[: -len(SUFFIX)] + ".pt")).exists():
@@ -531,226 +424,3 @@ def remove_unreferenced(checkpoint_dir: Path | str) -> None:
     for d in checkpoint_dir.glob(f".step-*{SUFFIX}.*"):
         if d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
-
-
-# --- reading --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Piece:
-    table: str
-    rank: int
-    lo: int
-    hi: int
-    precision: str
-    fields: tuple[str, ...]
-    patch: tuple[str, ...]  # empty: no patch
-    records: tuple[tuple[str, Any], ...] = ()  # a disk shard's chunk: its record layout (else empty)
-
-    def codec(self) -> RecordCodec:
-        layout = dict(self.records)
-        return RecordCodec(layout["dim"], layout["precision"], layout["rounding"], layout["state_width"])
-
-    def keys(self) -> dict[tuple[bool, str], str]:
-        out = {(False, f): _key(self.table, self.lo, self.hi, f) for f in self.fields}
-        out.update({(True, f): _key(self.table, self.lo, self.hi, f, patch=True) for f in self.patch})
-        return out
-
-
-class ShardReader:
-    """One shard directory, read by one process without a process group.
-    The manifest is checked when the reader is made, each file once before
-    it is first read."""
-
-    def __init__(self, directory: Path | str) -> None:
-        self.directory = Path(directory)
-        self.manifest = _read_manifest(self.directory)
-        self.pieces = [_Piece(p["table"], p["rank"], p["lo"], p["hi"], p["precision"], tuple(p["fields"]),
-                              tuple(p["patch"]), tuple(sorted(p.get("records", {}).items())))
-                       for p in self.manifest["pieces"]]
-        self._checked: set[str] = set()
-        self._metadata: Any = None
-        self._file_of: dict[str, str] = {}
-
-    @property
-    def world_size(self) -> int:
-        return self.manifest["world_size"]
-
-    def tables(self) -> dict[str, int]:
-        """table -> its rows, in the manifest's order."""
-        return dict(self.manifest["tables"])
-
-    def check(self, name: str) -> Path:
-        """The file `name` of the directory, after checking it against the manifest (DamagedFile)."""
-        path = self.directory / name
-        if name not in self._checked:
-            expected = self.manifest["files"].get(name)
-            problem = "not in its shard manifest" if expected is None else file_problem(path, expected)
-            if problem is not None:
-                raise DamagedFile(path, problem)
-            self._checked.add(name)
-        return path
-
-    def metadata(self) -> Any:
-        if self._metadata is None:
-            # DCP's reader would pickle.load it: only the DCP metadata classes may be found
-            self._metadata = safe_load.dcp_metadata(self.check(METADATA))
-            self._file_of = {index.fqn: info.relative_path for index, info in self._metadata.storage_data.items()}
-        return self._metadata
-
-    def read(self, piece: _Piece) -> dict:
-        """The piece's entry as saved ({"precision", fields, "state", "patch"?})."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        metadata = self.metadata()
-        keys = piece.keys()
-        targets = {}
-        for key in keys.values():
-            md = metadata.state_dict_metadata.get(key)
-            if md is None or key not in self._file_of:
-                raise UserError(f"{self.directory}: {key!r} is in its manifest but not in {METADATA}")
-            if not isinstance(md, TensorStorageMetadata):  # DCP would unpickle it with weights_only=False
-                raise UserError(f"{self.directory / METADATA}: {key!r} is not a tensor (recsys writes tensors only)")
-            self.check(self._file_of[key])
-            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        try:
-            with warnings.catch_warnings():  # that it assumes a single process: it is told so
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(targets, storage_reader=safe_load.safe_dcp_reader(self.directory),
-                         planner=safe_load.tensors_only_planner(), no_dist=True)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise UserError(f"cannot read the shards of {self.directory}: {str(e).splitlines()[0]}") from None
-        entry: dict = {"precision": piece.precision}
-        if piece.records:  # a disk shard's records, its dirty rows put in when saved
-            fields, state = piece.codec().unpack(targets[keys[(False, RECORDS)]])
-            return {**entry, **fields, "state": state}
-        entry.update({f: targets[k] for (is_patch, f), k in keys.items() if not is_patch})
-        if piece.patch:
-            entry["patch"] = {f: targets[k] for (is_patch, f), k in keys.items() if is_patch}
-        return entry
-
-    def pieces_of(self, table: str) -> list[_Piece]:
-        return sorted((p for p in self.pieces if p.table == table), key=lambda p: p.lo)
-
-    def load(self, table: str, lo: int, hi: int) -> dict:
-        """The entry for rows [lo, hi) of `table` (see load_shard)."""
-        rows = self.tables().get(table)
-        if rows is None:
-            raise UserError(f"{self.directory} holds no shard of table {table!r}")
-        if not 0 <= lo <= hi <= rows:
-            raise UserError(f"rows [{lo}, {hi}) of table {table!r}: it has {rows} rows in {self.directory}")
-        pieces = self.pieces_of(table)
-        overlapping = [p for p in pieces if p.lo < hi and p.hi > lo]
-        covered, gap_end = lo, hi
-        for p in overlapping:
-            if p.lo > covered:
-                gap_end = p.lo
-                break
-            covered = max(covered, p.hi)
-        if covered < hi:
-            raise UserError(f"rows [{covered}, {gap_end}) of table {table!r} are in no shard of {self.directory}")
-        if lo == hi:  # an empty range: the fields' shapes, no rows
-            if not pieces:
-                raise UserError(f"table {table!r} has no saved rows in {self.directory}")
-            return self._empty(pieces[0])
-        precisions = sorted({p.precision for p in overlapping})
-        if len(precisions) > 1:
-            raise UserError(f"rows [{lo}, {hi}) of table {table!r} were saved in several precisions "
-                            f"({', '.join(precisions)}) in {self.directory}")
-        if len(overlapping) == 1 and (overlapping[0].lo, overlapping[0].hi) == (lo, hi):
-            return self.read(overlapping[0])  # the saved piece itself
-        out: dict = {}
-        patches: list[dict] = []
-        for p in overlapping:
-            saved = self.read(p)
-            a, b = max(lo, p.lo), min(hi, p.hi)
-            for f in (k for k, v in saved.items() if isinstance(v, torch.Tensor)):
-                if f not in out:
-                    out[f] = torch.empty((hi - lo, *saved[f].shape[1:]), dtype=saved[f].dtype)
-                out[f][a - lo:b - lo] = saved[f][a - p.lo:b - p.lo]
-            patch = saved.get("patch")
-            if patch is not None:
-                rows_at = patch["rows"] + (p.lo - lo)  # local to the range asked for
-                inside = (rows_at >= a - lo) & (rows_at < b - lo)
-                if bool(inside.any()):
-                    patches.append({f: (rows_at if f == "rows" else v)[inside] for f, v in patch.items()})
-        entry = {"precision": precisions[0], **out}
-        if patches:
-            entry["patch"] = {f: torch.cat([q[f] for q in patches]) for f in patches[0]}
-        return entry
-
-    def _empty(self, piece: _Piece) -> dict:
-        md = self.metadata().state_dict_metadata
-        entry: dict = {"precision": piece.precision}
-        if piece.records:
-            codec = piece.codec()
-            fields, state = codec.unpack(torch.empty(0, codec.record_bytes, dtype=torch.uint8))
-            return {**entry, **fields, "state": state}
-        for f in piece.fields:
-            m = md[_key(piece.table, piece.lo, piece.hi, f)]
-            entry[f] = torch.empty((0, *m.size[1:]), dtype=m.properties.dtype)
-        return entry
-
-    def caches(self, rank: int, world_size: int) -> Any:
-        if world_size != self.world_size:
-            return None
-        name = f"caches-{rank}.pt"
-        if name not in self.manifest["files"]:
-            return None
-        path = self.check(name)
-        saved = safe_load.torch_file(path, "shard file")  # weights_only: code in it is refused, never run
-        if not isinstance(saved, dict) or "caches" not in saved:
-            raise UserError(f"shard file {path} holds no caches")
-        return saved["caches"]
-
-
-_readers: dict[tuple, ShardReader] = {}
-
-
-def reader(directory: Path | str) -> ShardReader:
-    """The ShardReader of `directory`, kept while the directory is the same
-    (so each file is checked once however many ranges are read from it)."""
-    directory = Path(directory)
-    try:
-        st = (directory / MANIFEST).stat()
-    except OSError:
-        return ShardReader(directory)  # raises: the manifest is missing or unreadable
-    key = (str(directory.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
-    found = _readers.get(key)
-    if found is None:
-        if len(_readers) >= 4:
-            _readers.clear()
-        found = _readers[key] = ShardReader(directory)
-    return found
-
-
-def load_shard(directory: Path | str, table: str, lo: int, hi: int) -> dict:
-    """The entry for rows [lo, hi) of `table`, in table_snapshot's format and
-    the precision it was saved in: row tensors cut from and joined across
-    the saved pieces that overlap the range (whatever world size saved
-    them), the "patch" (dirty cache rows) kept beside, only its rows inside
-    the range, ids relative to lo. No collective: each rank reads what it
-    needs; only the overlapping pieces are read, and each file is checked
-    against the manifest before its first read."""
-    return reader(directory).load(table, lo, hi)
-
-
-def load_rank_caches(directory: Path | str, rank: int, world_size: int) -> Any:
-    """What rank `rank` saved of its caches, when the checkpoint was saved by
-    `world_size` ranks; None otherwise (the caches then start empty, and the
-    tables take their patches)."""
-    return reader(directory).caches(rank, world_size)
-
-
-def assemble_tables(directory: Path | str, keep_patches: bool = False) -> dict[str, dict]:
-    """Every table whole, {table: entry}, for one process (predict, evaluate,
-    export, a resume without sharding): the patch put in
-    (quant.patched_entry), or kept beside when keep_patches."""
-    found = reader(directory)
-    out = {}
-    for table, rows in found.tables().items():
-        entry = found.load(table, 0, rows)
-        out[table] = entry if keep_patches else patched_entry(entry, in_place=True)
-    return out

@@ -114,6 +114,7 @@ class SpilledCounts:
                 keep = lo + np.flatnonzero(counts[lo:hi] >= min_count)
                 if len(keep):
                     kept[f].append(((keys[keep] & np.uint64(0xFFFFFFFF)).astype(np.uint32), counts[keep]))
+        self.directory.rmdir()  # every partition file read and removed: nothing of the count stays in the output
         for f in range(self.features):
             parts = kept[f]
             kept[f] = []

@@ -170,6 +170,7 @@ def test_bounded_count_gives_the_in_memory_ids(tmp_path, days, monkeypatch, spil
     assert 1 < min(f.vocab_size for f in ma.sparse_features)  # min_count=2 kept values...
     assert any(ma.options["distinct_values"][f.name] > f.vocab_size - 1 for f in ma.sparse_features)  # ...and dropped some
     assert not list(bounded.parent.glob("bounded.tmp-*"))
+    assert sorted(p.name for p in bounded.iterdir()) == sorted(p.name for p in memory.iterdir())  # no _counts left
 
 
 def test_memory_budget_is_checked(tmp_path, days):

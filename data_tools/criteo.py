@@ -69,6 +69,8 @@ from pathlib import Path
 from data_tools import dataset_dir
 from data_tools import vocab as vocab_io
 from data_tools.criteo_config import CriteoConfig, validate
+from data_tools.criteo_days import describe as describe_days
+from data_tools.criteo_days import terabyte_days
 from data_tools.criteo_input import BlockReader, resolve_inputs
 from data_tools.criteo_passes import mapped_mode, vocabulary_mode
 from data_tools.errors import UserError, say
@@ -143,6 +145,7 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     for p in paths:  # it would be read while its directory is replaced
         if output.resolve() in p.resolve().parents:
             raise UserError(f"input {p} is inside the output directory {output}; write the dataset elsewhere")
+    days = terabyte_days(paths) if cfg.split_by == "terabyte" else None
     dataset_dir.check_output(output.absolute())
     source_vocab = _source_vocabulary(cfg)
     total_bytes = sum(p.stat().st_size for p in paths)
@@ -172,9 +175,12 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
         seconds = time.perf_counter() - t0
         if "pass 1" in timings:
             timings["pass 2"] = seconds - timings["pass 1"]
-        options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("progress",)}
+        # what does not change the output stays out of it: the same dataset whatever the workers or budget
+        options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("progress", "workers", "memory_budget")}
         options["input"] = [str(p) for p in paths]
         options["mode"] = "hash" if vocab_entry["mode"] == "hash" else "vocabulary"
+        if days is not None:
+            options["terabyte_days"] = days
         options["vocabulary"] = vocab_entry
         if distinct is not None:
             options["distinct_values"] = distinct
@@ -222,6 +228,8 @@ def _summary(console, m: Manifest, output: Path, seconds: float, timings: dict[s
         + (f", {m.skipped_lines:,} bad lines skipped" if m.skipped_lines else "")
         + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + ")" if timings else ""), "criteo:",
     )
+    if "terabyte_days" in m.options:
+        say(console, describe_days(m.options["terabyte_days"]))
     say(console, f"vocabulary: {vocab}")
     entry = m.options.get("vocabulary", {})
     if entry.get("mode") == "vocabulary":

@@ -9,6 +9,7 @@ from data_tools import shards as sh
 from data_tools.errors import UserError
 
 ALL_SPLIT = "all"  # the one split of split_by=none
+MIN_MEMORY_BUDGET = 64 << 20
 
 
 @dataclass
@@ -23,10 +24,24 @@ class CriteoConfig:
     min_count: int = 1
     # Hashing mode instead (one pass): id = 1 + value % (hash_buckets - 1), missing -> 0.
     hash_buckets: Optional[int] = None
+    # Vocabulary mode: at most this many ids a feature (MLPerf's 40000000):
+    # ids >= max_vocab fold onto 1 + (id - 1) % (max_vocab - 1), as the MLPerf
+    # DLRM-DCNv2 reference takes its contiguous ids modulo 40M.
+    max_vocab: Optional[int] = None
+    # Vocabulary mode: count values in at most about this many bytes (bytes,
+    # or 4GiB, 500MB): values go by hash to partition files that are counted
+    # one at a time. None: count every value in memory at once.
+    memory_budget: Any = None
+    # Processes that parse and encode blocks of text (0: one per core, one for
+    # an input under 64 MiB). The output is byte-identical for every number.
+    workers: int = 0
     label_dtype: str = "float32"  # the label column's type: float32 | int8
     # How rows are cut into splits: kaggle (DLRM: 7 days, the last day halved
-    # into test and val) | ratios (see split_ratios) | none (one split, "all",
-    # of every row). Once `split=`: in predict and evaluate split= names one split.
+    # into test and val) | terabyte (Criteo 1TB: each input file is a day,
+    # day_0 .. day_23; train = days 0-22, day 23 halved into test then val;
+    # 2-23 days are a sample, the last one halved) | ratios (see split_ratios)
+    # | none (one split, "all", of every row). Once `split=`: in predict and
+    # evaluate split= names one split.
     split_by: str = "kaggle"
     # train, val, test for split_by=ratios (the synthetic data's word); once `ratios=`.
     split_ratios: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
@@ -53,8 +68,23 @@ def validate(cfg: CriteoConfig) -> None:
         raise UserError("output=DIR is required")
     if cfg.label_dtype not in ("float32", "int8"):
         raise UserError(f"label_dtype must be float32 or int8, got {cfg.label_dtype!r}")
-    if cfg.split_by not in ("kaggle", "ratios", "none"):
-        raise UserError(f"split_by must be kaggle, ratios or none, got {cfg.split_by!r}")
+    if cfg.split_by not in ("kaggle", "terabyte", "ratios", "none"):
+        raise UserError(f"split_by must be kaggle, terabyte, ratios or none, got {cfg.split_by!r}")
+    if cfg.workers < 0:
+        raise UserError(f"workers must be >= 0 (0: one per core), got {cfg.workers}")
+    if cfg.max_vocab is not None:
+        if cfg.max_vocab < 2:
+            raise UserError(f"max_vocab must be >= 2 (id 0 is for missing and rare values), got {cfg.max_vocab}")
+        if cfg.hash_buckets is not None or cfg.vocab is not None:
+            raise UserError("max_vocab caps a vocabulary this run builds: it does not apply with hash_buckets or vocab")
+    if cfg.memory_budget is not None:
+        if isinstance(cfg.memory_budget, bool) or not isinstance(cfg.memory_budget, int):
+            raise UserError(f"memory_budget must be a byte count, got {cfg.memory_budget!r}")
+        if cfg.memory_budget < MIN_MEMORY_BUDGET:
+            raise UserError(f"memory_budget must be at least {MIN_MEMORY_BUDGET >> 20} MiB, got {cfg.memory_budget}")
+        if cfg.hash_buckets is not None or cfg.vocab is not None:
+            raise UserError("memory_budget bounds the counting of a vocabulary this run builds: it does not apply "
+                            "with hash_buckets or vocab")
     if cfg.split_by == "ratios":
         sh.ratio_ranges(1, cfg.split_ratios)
     if cfg.on_error not in ("raise", "skip"):

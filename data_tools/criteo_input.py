@@ -173,21 +173,24 @@ class BlockReader:
         # reading (and gunzipping) runs on its own thread, ahead of parsing
         with BackgroundIterator(text_blocks(self.paths, self.block_size), depth=2, name="criteo-read") as blocks:
             for block in blocks:
-                # Pass 2: drop the lines pass 1 found bad (by line number in the file).
-                file_bad = known_bad.get(block.file_index) if known_bad else None
-                if file_bad:
-                    lines = split_lines(bytes(block.data))
-                    lo = bisect.bisect_left(file_bad, block.first_line)
-                    hi = bisect.bisect_left(file_bad, block.first_line + len(lines))
-                    if hi > lo:
-                        bad = [ln - block.first_line for ln in file_bad[lo:hi]]
-                        kept = join_lines(lines, set(bad))
-                        yield CheckedBlock(self._parse_clean(kept, want_dense), len(bad), bad, block)
-                        continue
-                try:
-                    yield CheckedBlock(self.parser.parse(block.data, want_dense), 0, [], block)
-                except BadBlock:
-                    yield self._slow(block, want_dense)
+                yield self.check(block, want_dense, known_bad)
+
+    def check(self, block: TextBlock, want_dense: bool, known_bad: dict | None = None) -> CheckedBlock:
+        """One block parsed and checked; its bad lines raised or dropped."""
+        # Pass 2: drop the lines pass 1 found bad (by line number in the file).
+        file_bad = known_bad.get(block.file_index) if known_bad else None
+        if file_bad:
+            lines = split_lines(bytes(block.data))
+            lo = bisect.bisect_left(file_bad, block.first_line)
+            hi = bisect.bisect_left(file_bad, block.first_line + len(lines))
+            if hi > lo:
+                bad = [ln - block.first_line for ln in file_bad[lo:hi]]
+                kept = join_lines(lines, set(bad))
+                return CheckedBlock(self._parse_clean(kept, want_dense), len(bad), bad, block)
+        try:
+            return CheckedBlock(self.parser.parse(block.data, want_dense), 0, [], block)
+        except BadBlock:
+            return self._slow(block, want_dense)
 
     def _parse_clean(self, data: bytes, want_dense: bool) -> DecodedBlock:
         try:

@@ -21,85 +21,132 @@ import pyarrow.parquet as pq
 
 from data_tools import shards as sh
 from data_tools import vocab as vocab_io
-from data_tools.background import BackgroundIterator
 from data_tools.criteo_config import ALL_SPLIT, CriteoConfig
+from data_tools.criteo_days import terabyte_ranges
 from data_tools.criteo_input import BlockReader
 from data_tools.criteo_text import NUM_SPARSE, DecodedBlock
+from data_tools.criteo_workers import Encoding, ParseJob, default_workers, parsed_blocks, scatter
+from data_tools.spilled_counts import SpilledCounts
 from data_tools.errors import UserError
 from data_tools.manifest import CRITEO_SPARSE, NUM_DENSE, SPLITS, SparseFeature, Split
 from data_tools.u32map import U32Map
 
 
-def _ranges(cfg: CriteoConfig, total: int) -> list[tuple[str, int, int]]:
+def _ranges(cfg: CriteoConfig, total: int, file_rows: list[int]) -> list[tuple[str, int, int]]:
     if cfg.split_by == "none":
         return [(ALL_SPLIT, 0, total)]
+    if cfg.split_by == "terabyte":
+        return terabyte_ranges(file_rows)
     return sh.kaggle_ranges(total) if cfg.split_by == "kaggle" else sh.ratio_ranges(total, cfg.split_ratios)
 
 
-def _ids_table(schema: pa.Schema, d: DecodedBlock, ids: list[np.ndarray], label_type) -> pa.Table:
-    cols = [] if d.label is None else [pa.array(d.label.astype(label_type, copy=False))]
-    cols.append(sh.dense_array(d.dense))
-    for f in range(NUM_SPARSE):
-        cols.append(pa.array(ids[f]))
-    return pa.Table.from_arrays(cols, schema=schema)
+def _job(cfg: CriteoConfig, paths, want_dense: bool, known_bad=None, encoding: Encoding | None = None) -> ParseJob:
+    return ParseJob(tuple(str(p) for p in paths), labels=cfg.labels, label_int8=cfg.label_dtype == "int8",
+                    block_size=cfg.block_size, on_error=cfg.on_error, want_dense=want_dense, known_bad=known_bad,
+                    encoding=encoding)
 
 
-def _scatter(present: np.ndarray, mapped: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(present), dtype=np.int32)
-    out[present] = mapped
-    return out
+# workers=0 on an input smaller than this: one process (starting workers, about
+# a second, costs more than it saves)
+SMALL_INPUT_BYTES = 64 << 20
+
+
+def _workers(cfg: CriteoConfig, paths) -> int:
+    if cfg.workers:
+        return cfg.workers
+    return 1 if sum(Path(p).stat().st_size for p in paths) < SMALL_INPUT_BYTES else default_workers()
+
+
+def assign_ids(keys: np.ndarray, counts: np.ndarray, min_count: int, max_vocab: int | None):
+    """(indices of the values that get an id, their ids): ids 1.. by
+    descending count, ties by ascending value; past max_vocab, ids fold
+    onto 1 + (id - 1) % (max_vocab - 1)."""
+    keep = np.flatnonzero(counts >= min_count)
+    keep = keep[np.lexsort((keys[keep], -counts[keep]))]
+    ids = np.arange(1, len(keep) + 1, dtype=np.int64)
+    if max_vocab is not None:
+        ids = 1 + (ids - 1) % (max_vocab - 1)
+    return keep, ids.astype(np.int32)
 
 
 def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, progress, timings, t0):
-    """Pass 1 counts values (and, with spill, keeps the parsed rows with
-    first-seen value indices in an Arrow file); pass 2 assigns ids and writes
-    the shards, from the spill file or by parsing the input again."""
+    """Pass 1 counts values (and, with spill, keeps the parsed rows in an
+    Arrow file); pass 2 assigns ids and writes the shards, from the spill
+    file or by parsing the input again. With memory_budget the counts spill
+    to partition files (spilled_counts.py) and the spill keeps raw values."""
     label_type = np.int8 if cfg.label_dtype == "int8" else np.float32
     spill_path = tmp / "_spill.arrow"
-    maps = [U32Map(track_order=cfg.spill) for _ in range(NUM_SPARSE)]
+    bounded = cfg.memory_budget is not None
+    maps = [U32Map(track_order=cfg.spill) for _ in range(NUM_SPARSE)] if not bounded else []
+    # a quarter of the budget for the maps between flushes: a flush copies them, the partition files'
+    # aggregation and the parse pipeline take the rest
+    counter = SpilledCounts(tmp / "_counts", NUM_SPARSE, int(cfg.memory_budget) // 4) if bounded else None
     total = skipped = 0
+    file_rows = [0] * len(paths)
     known_bad: dict[int, list[int]] = {}
     upd = progress.task("pass 1/2 count")
     spill = None
     try:
-        with BackgroundIterator(reader.chunks(want_dense=cfg.spill), name="criteo-parse") as chunks:
-            for ch in chunks:
-                d = ch.decoded
-                if cfg.spill and spill is None and d.rows:
-                    _check_spill_space(tmp, d.rows / max(ch.block.bytes_read, 1) * progress.total)
-                if cfg.spill:
-                    # 0 = missing, i + 1 = the value first seen i-th
-                    cols = [_scatter(d.present[f], maps[f].count(d.values[f]) + 1) for f in range(NUM_SPARSE)]
-                    if d.rows:
-                        batch = _spill_batch(d, cols, label_type)
-                        if spill is None:
-                            spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
-                        spill.write_batch(batch)
-                else:
-                    for f in range(NUM_SPARSE):
-                        maps[f].count(d.values[f])
-                total += d.rows
-                skipped += ch.skipped
-                if ch.bad_lines:
-                    known_bad.setdefault(ch.block.file_index, []).extend(ch.block.first_line + i for i in ch.bad_lines)
-                upd(total, ch.block.bytes_read)
+        for ch in parsed_blocks(_job(cfg, paths, want_dense=cfg.spill), _workers(cfg, paths)):
+            d = ch.decoded
+            assert d is not None
+            if cfg.spill and spill is None and d.rows:
+                _check_spill_space(tmp, d.rows / max(ch.bytes_read, 1) * progress.total)
+            if counter is not None:
+                for f in range(NUM_SPARSE):
+                    counter.count(f, d.values[f])
+                counter.maybe_flush()
+                if cfg.spill and d.rows:
+                    # raw values, null where missing: pass 2 maps them with the saved vocabulary
+                    batch = _spill_batch(d, [_raw_column(d.present[f], d.values[f]) for f in range(NUM_SPARSE)],
+                                         label_type)
+                    if spill is None:
+                        spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
+                    spill.write_batch(batch)
+            elif cfg.spill:
+                # 0 = missing, i + 1 = the value first seen i-th
+                cols = [pa.array(scatter(d.present[f], maps[f].count(d.values[f]) + 1)) for f in range(NUM_SPARSE)]
+                if d.rows:
+                    batch = _spill_batch(d, cols, label_type)
+                    if spill is None:
+                        spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
+                    spill.write_batch(batch)
+            else:
+                for f in range(NUM_SPARSE):
+                    maps[f].count(d.values[f])
+            total += d.rows
+            file_rows[ch.file_index] += d.rows
+            skipped += ch.skipped
+            if ch.first_skipped is not None and reader.first_skipped is None:
+                reader.first_skipped = ch.first_skipped
+            if ch.bad_lines:
+                known_bad.setdefault(ch.file_index, []).extend(ch.first_line + i for i in ch.bad_lines)
+            upd(total, ch.bytes_read)
     finally:
         if spill is not None:
             spill.close()
+        if counter is not None:
+            counter.close()
     if total == 0:
         raise reader.no_valid_rows()
     # ---- the vocabulary: frequent values by descending count, ties by value
     lookups, vocab, distinct = [], [], {}
     mapping_values, mapping_ids = [], []
+    if counter is not None:
+        for f, keys, counts, n_distinct in counter.frequent(cfg.min_count):
+            distinct[CRITEO_SPARSE[f]] = n_distinct
+            keep, ids = assign_ids(keys, counts, cfg.min_count, cfg.max_vocab)
+            sorted_values, sorted_ids = vocab_io.sorted_mapping(keys[keep], ids)
+            mapping_values.append(sorted_values)
+            mapping_ids.append(sorted_ids)
+            vocab.append(min(len(keep) + 1, cfg.max_vocab or len(keep) + 1))
     for f, m in enumerate(maps):
         if cfg.spill:
             keys, counts, first_seen = m.items_order()
         else:
             keys, counts = m.items()
         distinct[CRITEO_SPARSE[f]] = int(len(keys))
-        keep = np.flatnonzero(counts >= cfg.min_count)
-        keep = keep[np.lexsort((keys[keep], -counts[keep]))]
-        ids = np.arange(1, len(keep) + 1, dtype=np.int32)
+        keep, ids = assign_ids(keys, counts, cfg.min_count, cfg.max_vocab)
         sorted_values, sorted_ids = vocab_io.sorted_mapping(keys[keep], ids)
         mapping_values.append(sorted_values)
         mapping_ids.append(sorted_ids)
@@ -107,42 +154,46 @@ def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, pr
             remap = np.zeros(len(keys) + 1, dtype=np.int32)  # first-seen index + 1 -> id
             remap[first_seen[keep].astype(np.int64) + 1] = ids
             lookups.append(remap)
-        else:
-            im = U32Map(capacity=int(len(keep) / U32Map.MAX_LOAD) + 16, dtype=np.int32)
-            im.insert(keys[keep], ids)
-            lookups.append(im)
-        vocab.append(len(keep) + 1)
+        vocab.append(min(len(keep) + 1, cfg.max_vocab or len(keep) + 1))
         maps[f] = None  # free the counts
     del maps
     vocab_entry = vocab_io.write_vocabulary(tmp, CRITEO_SPARSE, mapping_values, mapping_ids,
-                                           {"mode": "vocabulary", "min_count": cfg.min_count})
+                                           {"mode": "vocabulary", "min_count": cfg.min_count,
+                                            **({"max_vocab": cfg.max_vocab} if cfg.max_vocab else {})})
     del mapping_values, mapping_ids
     features = [SparseFeature(n, v) for n, v in zip(CRITEO_SPARSE, vocab)]
     schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(label_type))
     timings["pass 1"] = time.perf_counter() - t0
     # ---- pass 2: ids and shards
-    writer = sh.SplitWriter(tmp, schema, _ranges(cfg, total), cfg.row_group_rows, cfg.shard_rows, cfg.compression)
+    writer = sh.SplitWriter(tmp, schema, _ranges(cfg, total, file_rows), cfg.row_group_rows, cfg.shard_rows,
+                            cfg.compression)
     upd = progress.task("pass 2/2 write")
     written = 0
     try:
         if cfg.spill:
+            saved = vocab_io.read_mapping(tmp, CRITEO_SPARSE) if counter is not None else None
             with pa.OSFile(str(spill_path), "rb") as f:
                 for batch in pa.ipc.open_stream(f):
                     cols = [batch.column(0), batch.column(1)]
                     for k in range(NUM_SPARSE):
-                        cols.append(pa.array(lookups[k][batch.column(2 + k).to_numpy()]))
+                        col = batch.column(2 + k)
+                        if saved is not None:
+                            present = col.is_valid().to_numpy(zero_copy_only=False)
+                            values = col.fill_null(0).to_numpy()
+                            cols.append(pa.array(scatter(present, saved.lookup(k, values[present]))))
+                        else:
+                            cols.append(pa.array(lookups[k][col.to_numpy()]))
                     writer.write(pa.Table.from_arrays(cols, schema=schema))
                     written += batch.num_rows
                     upd(written, int(progress.total * written / total))
             spill_path.unlink()
         else:
-            with BackgroundIterator(reader.chunks(want_dense=True, known_bad=known_bad), name="criteo-parse") as chunks:
-                for ch in chunks:
-                    d = ch.decoded
-                    ids = [_scatter(d.present[f], lookups[f].get(d.values[f])) for f in range(NUM_SPARSE)]
-                    writer.write(_ids_table(schema, d, ids, label_type))
-                    written += d.rows
-                    upd(written, ch.block.bytes_read)
+            encoding = Encoding(vocab_dir=str(tmp), label_type=np.dtype(label_type).name)
+            for ch in parsed_blocks(_job(cfg, paths, True, known_bad, encoding), _workers(cfg, paths)):
+                assert ch.table is not None
+                writer.write(ch.table.cast(schema))
+                written += ch.rows
+                upd(written, ch.bytes_read)
         splits = writer.close()
     except BaseException:
         writer.abort()
@@ -167,9 +218,16 @@ def _check_spill_space(tmp: Path, rows: float) -> None:
         )
 
 
-def _spill_batch(d: DecodedBlock, cols: list[np.ndarray], label_type) -> pa.RecordBatch:
+def _raw_column(present: np.ndarray, values: np.ndarray) -> pa.Array:
+    """A feature's raw uint32 values of every row, null where missing."""
+    full = np.zeros(len(present), dtype=np.uint32)
+    full[present] = values
+    return pa.array(full, mask=~present)
+
+
+def _spill_batch(d: DecodedBlock, cols: list[pa.Array], label_type) -> pa.RecordBatch:
     arrays = [pa.array(d.label.astype(label_type, copy=False)), sh.dense_array(d.dense)]
-    arrays += [pa.array(c) for c in cols]
+    arrays += cols
     return pa.RecordBatch.from_arrays(arrays, names=["label", "dense", *CRITEO_SPARSE])
 
 
@@ -179,25 +237,28 @@ def mapped_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, progre
     row count, hence the split boundaries, is known only at the end).
     Returns (splits, skipped lines, per feature the present values mapped to 0
     because the vocabulary has no id for them)."""
-    label_type = np.int8 if cfg.label_dtype == "int8" else np.float32
-    schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(label_type) if cfg.labels else None)
+    label_type = "int8" if cfg.label_dtype == "int8" else "float32"
+    schema = sh.shard_schema(features, label_type=pa.from_numpy_dtype(np.dtype(label_type)) if cfg.labels else None)
     staging = sh.ShardWriter(tmp, "_staging", schema, cfg.row_group_rows, cfg.shard_rows, cfg.compression)
     upd = progress.task("pass 1/1 hash" if vocabulary.mode == "hash" else "pass 1/1 map")
     total = skipped = 0
+    file_rows = [0] * len(paths)
     unseen = np.zeros(NUM_SPARSE, dtype=np.int64)
+    if vocabulary.mode == "hash":
+        encoding = Encoding(hash_buckets=vocabulary.hash_buckets, label_type=label_type)
+    else:
+        encoding = Encoding(vocab_dir=str(vocabulary.directory), label_type=label_type)
     try:
-        with BackgroundIterator(reader.chunks(want_dense=True), name="criteo-parse") as chunks:
-            for ch in chunks:
-                d = ch.decoded
-                ids = []
-                for f in range(NUM_SPARSE):
-                    mapped = vocabulary.lookup(f, d.values[f])
-                    unseen[f] += len(mapped) - np.count_nonzero(mapped)
-                    ids.append(_scatter(d.present[f], mapped))
-                staging.write(_ids_table(schema, d, ids, label_type))
-                total += d.rows
-                skipped += ch.skipped
-                upd(total, ch.block.bytes_read)
+        for ch in parsed_blocks(_job(cfg, paths, True, encoding=encoding), _workers(cfg, paths)):
+            assert ch.table is not None and ch.unseen is not None
+            unseen += ch.unseen
+            staging.write(ch.table.cast(schema))
+            total += ch.rows
+            file_rows[ch.file_index] += ch.rows
+            skipped += ch.skipped
+            if ch.first_skipped is not None and reader.first_skipped is None:
+                reader.first_skipped = ch.first_skipped
+            upd(total, ch.bytes_read)
         staged = staging.close()
     except BaseException:
         staging.abort()
@@ -205,7 +266,7 @@ def mapped_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, progre
     if total == 0:
         raise reader.no_valid_rows()
     names = (ALL_SPLIT,) if cfg.split_by == "none" else SPLITS
-    splits = _distribute(tmp, staged, schema, _ranges(cfg, total), cfg, names)
+    splits = _distribute(tmp, staged, schema, _ranges(cfg, total, file_rows), cfg, names)
     shutil.rmtree(tmp / "_staging", ignore_errors=True)
     return splits, skipped, unseen
 

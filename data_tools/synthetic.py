@@ -77,14 +77,16 @@ KAGGLE_CARDINALITIES = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 ]
-# MLPerf DLRM-DCNv2's tables: Criteo 1TB's values per feature capped at 40M
-# rows (TorchRec's dlrm example, DEFAULT_CAT_NAMES order C1..C26), about
-# 204M rows. configs/dataset/synthetic_mlperf.yaml gives them as
-# dataset.synthetic.cardinalities.
-MLPERF_CARDINALITIES = [
+# Criteo Terabyte (1TB) rows per categorical feature as MLPerf DLRM-DCNv2 trains
+# them: each feature's distinct values capped at 40M rows (the reference's
+# --num_embeddings_per_feature; TorchRec's dlrm example, DEFAULT_CAT_NAMES order
+# C1..C26), about 204M rows. profile=terabyte; configs/dataset/synthetic_mlperf.yaml.
+TERABYTE_CARDINALITIES = [
     40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
     2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
 ]
+MLPERF_CARDINALITIES = TERABYTE_CARDINALITIES  # the same tables, by the benchmark's name
+PROFILES = {"kaggle": KAGGLE_CARDINALITIES, "terabyte": TERABYTE_CARDINALITIES}
 # Approximate fraction of missing values per feature in Criteo Kaggle.
 _DENSE_MISSING_PROFILE = [
     0.454, 0.0, 0.215, 0.217, 0.026, 0.224, 0.043, 0.0005, 0.043, 0.454, 0.043, 0.765, 0.217,
@@ -112,11 +114,15 @@ class SyntheticConfig:
     rows: int = 500_000
     seed: int = 0  # the data is a function of the options and this seed
     # Vocabulary of feature f: min(card_f, max(min_vocab, ceil(card_f * scale))),
-    # card_f the Criteo Kaggle feature's distinct values.
+    # card_f the profile's distinct values of the feature.
     cardinality_scale: float = 0.002
-    # The profile the scale applies to: distinct values (ids, with id 0 =
-    # missing) of C1..C26; unset: Criteo Kaggle's. At cardinality_scale 1.0
-    # the tables have exactly these rows (e.g. MLPerf's capped sizes).
+    # kaggle (Criteo Kaggle's distinct values per feature) | terabyte (Criteo
+    # 1TB's, capped at 40M as MLPerf DLRM-DCNv2 trains them; with
+    # cardinality_scale=1, 26 tables of about 204M rows in all)
+    profile: str = "kaggle"
+    # Any other profile: distinct values (ids, with id 0 = missing) of C1..C26,
+    # in place of the named profile's. At cardinality_scale 1.0 the tables have
+    # exactly these rows.
     cardinalities: Optional[list[int]] = None
     min_vocab: int = 3  # the smallest vocabulary of a feature
     zipf_exponent: float = 1.1  # the skew of the ids' Zipf draws
@@ -163,6 +169,8 @@ def validate(cfg: SyntheticConfig) -> None:
         bad(f"seed must be >= 0, got {cfg.seed}")
     if not cfg.cardinality_scale > 0:
         bad(f"cardinality_scale must be > 0, got {cfg.cardinality_scale}")
+    if cfg.profile not in PROFILES:
+        bad(f"profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
     if cfg.cardinalities is not None:
         cards = list(cfg.cardinalities)
         if len(cards) != len(CRITEO_SPARSE) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
@@ -198,19 +206,17 @@ def validate(cfg: SyntheticConfig) -> None:
 
 def profile(cfg: SyntheticConfig) -> list[int]:
     """The distinct values per feature that cardinality_scale scales."""
-    return list(cfg.cardinalities) if cfg.cardinalities is not None else KAGGLE_CARDINALITIES
+    return list(cfg.cardinalities) if cfg.cardinalities is not None else PROFILES[cfg.profile]
 
 
 def vocab_sizes(cfg: SyntheticConfig) -> list[int]:
     """Vocabulary size (including id 0 = missing) of C1..C26. Above 1 the
-    profile grows past Kaggle's (as Criteo Terabyte's hashing to tens of
+    profile grows past its own (as Criteo Terabyte's hashing to tens of
     millions of rows a feature would): tables larger than host memory."""
+    cards = profile(cfg)
     if cfg.cardinality_scale > 1:
-        return [math.ceil(c * cfg.cardinality_scale) for c in profile(cfg)]
-    return [
-        int(min(c, max(cfg.min_vocab, math.ceil(c * cfg.cardinality_scale))))
-        for c in profile(cfg)
-    ]
+        return [math.ceil(c * cfg.cardinality_scale) for c in cards]
+    return [int(min(c, max(cfg.min_vocab, math.ceil(c * cfg.cardinality_scale)))) for c in cards]
 
 
 def missing_rates(cfg: SyntheticConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -222,8 +228,11 @@ def missing_rates(cfg: SyntheticConfig) -> tuple[np.ndarray, np.ndarray]:
 
 def config_hash(cfg: SyntheticConfig) -> str:
     fields = dataclasses.asdict(cfg)
-    if fields["cardinalities"] is None:  # the Kaggle profile: the key of every dataset made before the option
+    # the Kaggle profile: the key of every dataset cached before profiles and cardinalities existed
+    if fields["cardinalities"] is None:
         del fields["cardinalities"]
+    if fields["profile"] == "kaggle":
+        del fields["profile"]
     payload = json.dumps({"generator": GENERATOR_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -610,26 +619,20 @@ def tsv_table(world: _World, chunk: dict) -> pa.Table:
     return pa.table(cols)
 
 
-def write_tsv(cfg: SyntheticConfig, path: str | os.PathLike, *, progress: bool = False) -> Path:
-    """Write the synthetic rows as raw Criteo TSV (label, I1..I13 integers,
-    C1..C26 8-hex-digit strings, empty fields for missing values), gzip'd when
-    the path ends in .gz. Same rows, labels and dense values as `generate`;
-    sparse id k of feature f is written as hex_values(f, k). Multi-hot
-    features cannot be written (the format has no place for them)."""
-    import pyarrow.csv as pacsv
-
-    cfg = _coerce(cfg)
-    validate(cfg)
-    if cfg.multi_hot_features:
-        raise UserError("the Criteo TSV format has no multi-hot features: set multi_hot_features=0 for format=tsv")
+def _tsv_output(path: str | os.PathLike) -> Path:
     path = Path(path).expanduser().absolute()
-    if path.is_dir():
-        raise UserError(f"output {path} is a directory; format=tsv writes one file (e.g. {path}/train.txt)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create {path.parent}: {e.strerror or e}") from None
-    world = _World(cfg)
+    return path
+
+
+def _write_tsv_file(path: Path, tables: Iterator[pa.Table], advance) -> Path:
+    """Write `tables` as raw Criteo TSV to `path` (gzip'd when it ends in
+    .gz), through a temporary file renamed at the end."""
+    import pyarrow.csv as pacsv
+
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     opts = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none", batch_size=1 << 16)
     try:
@@ -637,14 +640,13 @@ def write_tsv(cfg: SyntheticConfig, path: str | os.PathLike, *, progress: bool =
             sink = pa.CompressedOutputStream(str(tmp), "gzip") if path.suffix == ".gz" else pa.OSFile(str(tmp), "wb")
         except OSError as e:
             raise UserError(f"output {path} is not writable: {e}") from None
-        with sink, _progress(progress, cfg.rows, "writing tsv") as bar:
+        with sink:
             writer = None
-            for _, chunk in _chunks(world):
-                table = tsv_table(world, chunk)
+            for table in tables:
                 if writer is None:
                     writer = pacsv.CSVWriter(sink, table.schema, write_options=opts)
                 writer.write_table(table)
-                bar(table.num_rows)
+                advance(table.num_rows)
             if writer is not None:
                 writer.close()
         os.replace(tmp, path)
@@ -653,6 +655,81 @@ def write_tsv(cfg: SyntheticConfig, path: str | os.PathLike, *, progress: bool =
             tmp.unlink()
         raise
     return path
+
+
+def _tsv_world(cfg) -> _World:
+    cfg = _coerce(cfg)
+    validate(cfg)
+    if cfg.multi_hot_features:
+        raise UserError("the Criteo TSV format has no multi-hot features: set multi_hot_features=0 for format=tsv")
+    return _World(cfg)
+
+
+def write_tsv(cfg: SyntheticConfig, path: str | os.PathLike, *, progress: bool = False) -> Path:
+    """Write the synthetic rows as raw Criteo TSV (label, I1..I13 integers,
+    C1..C26 8-hex-digit strings, empty fields for missing values), gzip'd when
+    the path ends in .gz. Same rows, labels and dense values as `generate`;
+    sparse id k of feature f is written as hex_values(f, k). Multi-hot
+    features cannot be written (the format has no place for them)."""
+    world = _tsv_world(cfg)
+    path = _tsv_output(path)
+    if path.is_dir():
+        raise UserError(f"output {path} is a directory; format=tsv writes one file (e.g. {path}/train.txt)")
+    with _progress(progress, world.cfg.rows, "writing tsv") as bar:
+        return _write_tsv_file(path, (tsv_table(world, chunk) for _, chunk in _chunks(world)), bar)
+
+
+def day_rows(rows: int, days: int) -> list[tuple[int, int]]:
+    """[start, end) global rows of each day: `rows` cut into `days` equal
+    runs in order, the later days one row longer when it does not divide."""
+    return [(d * rows // days, (d + 1) * rows // days) for d in range(days)]
+
+
+def write_tsv_days(cfg: SyntheticConfig, directory: str | os.PathLike, days: int, *, gz: bool = False,
+                   progress: bool = False) -> list[Path]:
+    """The rows of `write_tsv` as Criteo Terabyte's day files:
+    directory/day_0 .. day_<days-1> (day_N.gz with gz), the rows cut into
+    `days` equal runs in order (day_rows), each file written through a
+    temporary name. The concatenation of the day files is write_tsv's file."""
+    world = _tsv_world(cfg)
+    if days < 1:
+        raise UserError(f"days must be >= 1, got {days}")
+    if days > world.cfg.rows:
+        raise UserError(f"days={days} needs at least {days} rows, got rows={world.cfg.rows}")
+    out = _tsv_output(directory)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {out} is a file; days=N writes a directory of day files")
+    out.mkdir(exist_ok=True)
+    spans = day_rows(world.cfg.rows, days)
+    chunks = _chunks(world)
+    pending: tuple[int, pa.Table] | None = None  # (its first global row, table) not yet written
+
+    def day_tables(lo: int, hi: int) -> Iterator[pa.Table]:
+        nonlocal pending
+        while True:
+            if pending is None:
+                try:
+                    start, chunk = next(chunks)
+                except StopIteration:
+                    return
+                pending = (start, tsv_table(world, chunk))
+            start, table = pending
+            end = start + table.num_rows
+            take = min(end, hi) - start
+            if take > 0:
+                yield table.slice(0, take)
+            if end > hi:  # the rest belongs to the next day
+                pending = (hi, table.slice(take))
+                return
+            pending = None
+            if end == hi:
+                return
+
+    paths = []
+    with _progress(progress, world.cfg.rows, "writing days") as bar:
+        for d, (lo, hi) in enumerate(spans):
+            paths.append(_write_tsv_file(out / (f"day_{d}.gz" if gz else f"day_{d}"), day_tables(lo, hi), bar))
+    return paths
 
 
 # --------------------------------------------------------------------------- the built-in dataset

@@ -177,3 +177,12 @@ def load_vocabulary(dataset_dir: str | os.PathLike, verify: bool = False) -> Voc
             arrays.append(a)
         tables.append(FeatureVocab(*arrays))
     return Vocabulary(features, "vocabulary", tables, fingerprint=entry["fingerprint"], directory=dataset_dir)
+
+
+def read_mapping(directory: Path, features: Sequence[str]) -> Vocabulary:
+    """The mapping write_vocabulary wrote under directory/vocab, memory-mapped,
+    without a manifest (a dataset being built: its temporary directory)."""
+    tables = [FeatureVocab(np.load(Path(directory) / VOCAB_DIR / f"{name}.values.npy", mmap_mode="r"),
+                           np.load(Path(directory) / VOCAB_DIR / f"{name}.ids.npy", mmap_mode="r"))
+              for name in features]
+    return Vocabulary(features, "vocabulary", tables, directory=Path(directory))

@@ -34,6 +34,10 @@ class SyntheticPreprocessConfig(SyntheticConfig):
     # (gzip'd when it ends in .gz), input for `recsys preprocess criteo`.
     output: Optional[str] = None
     format: str = "parquet"  # parquet | tsv
+    # format=tsv: 0 writes one file; N >= 1 writes Criteo Terabyte's layout,
+    # output=DIR holding day_0 .. day_<N-1>, the rows cut into N equal days in order.
+    days: int = 0
+    gz: bool = False  # format=tsv days=N: gzip each day file (day_N.gz)
     progress: bool = True  # a progress bar on a terminal
 
 
@@ -118,7 +122,8 @@ EXAMPLES = {
     "criteo": ("recsys preprocess criteo input=train.txt output=data/kaggle",
                "recsys preprocess criteo input=test.txt output=data/kaggle-test vocab=data/kaggle labels=false"),
     "synthetic": ("recsys preprocess synthetic output=data/synthetic",
-                  "recsys preprocess synthetic rows=100000 output=raw.tsv.gz format=tsv"),
+                  "recsys preprocess synthetic profile=terabyte cardinality_scale=1 rows=2400000 days=24 gz=true "
+                  "format=tsv output=raw-days"),
 }
 
 
@@ -142,6 +147,10 @@ def run_preprocess(source: str, overrides: list[str]) -> None:
                         values=compose(source, rest)))
         return
     cfg = load_config(source, overrides)
+    if source == "criteo" and cfg.memory_budget is not None:  # "4GiB" -> bytes, before any work
+        from recsys_cli.embeddings.placement_bytes import parse_bytes
+
+        cfg.memory_budget = parse_bytes(cfg.memory_budget, "memory_budget")
     # One writer per output (locks.py): a second preprocess into the same
     # output is refused, naming the first, before any work.
     with locked_output(Path(cfg.output), "output", "preprocess") if cfg.output else contextlib.nullcontext():
@@ -167,7 +176,19 @@ def _synthetic(cfg: SyntheticPreprocessConfig) -> None:
     syn = SyntheticConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(SyntheticConfig)})
     console = Console(stderr=True, highlight=False)
     t = time.perf_counter()
+    if cfg.format != "tsv" and (cfg.days or cfg.gz):
+        raise UserError("days and gz apply to format=tsv only")
+    if cfg.days < 0:
+        raise UserError(f"days must be >= 0 (0: one file), got {cfg.days}")
+    if cfg.format == "tsv" and cfg.days:
+        paths = synthetic.write_tsv_days(syn, Path(cfg.output), cfg.days, gz=cfg.gz, progress=cfg.progress)
+        dt = time.perf_counter() - t
+        say(console, f"{syn.rows:,} rows of raw Criteo TSV in {len(paths)} day files in {dt:.1f} s: "
+                     f"{paths[0].parent}/{paths[0].name} .. {paths[-1].name}", "synthetic:")
+        return
     if cfg.format == "tsv":
+        if cfg.gz:
+            raise UserError("gz applies to days=N; for one file, end output with .gz")
         path = synthetic.write_tsv(syn, Path(cfg.output), progress=cfg.progress)
         dt = time.perf_counter() - t
         say(console, f"{syn.rows:,} rows of raw Criteo TSV in {dt:.1f} s: {path}", "synthetic:")

@@ -291,7 +291,8 @@ def test_cardinalities_give_each_table_its_rows(tmp_path):
     from data_tools.synthetic import GENERATOR_VERSION
 
     default = SyntheticConfig()
-    before = {k: v for k, v in dataclasses.asdict(default).items() if k != "cardinalities"}  # the key without the option
+    # the key as it was before either option (profile, cardinalities) existed
+    before = {k: v for k, v in dataclasses.asdict(default).items() if k not in ("cardinalities", "profile")}
     payload = json.dumps({"generator": GENERATOR_VERSION, **before}, sort_keys=True, default=str)
     assert config_hash(default) == hashlib.sha256(payload.encode()).hexdigest()[:16]
     assert config_hash(SyntheticConfig(cardinalities=KAGGLE_CARDINALITIES)) != config_hash(default)

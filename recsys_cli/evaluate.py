@@ -164,7 +164,7 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+                notes.append("plots skipped: matplotlib is not installed (pip install 'recsys[plots]', or matplotlib)")
             else:
                 plot(result, tmp)
         if output.exists():

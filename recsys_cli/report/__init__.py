@@ -86,7 +86,7 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
                 try:
                     import matplotlib  # noqa: F401
                 except ImportError:
-                    notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+                    notes.append("plots skipped: matplotlib is not installed (pip install 'recsys[plots]', or matplotlib)")
                 else:
                     from recsys_cli.report.plots import make_plots
 

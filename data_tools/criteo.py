@@ -68,7 +68,7 @@ from pathlib import Path
 
 from data_tools import dataset_dir
 from data_tools import vocab as vocab_io
-from data_tools.criteo_config import CriteoConfig, validate
+from data_tools.criteo_config import CriteoConfig, output_dir, validate
 from data_tools.criteo_days import describe as describe_days
 from data_tools.criteo_days import terabyte_days
 from data_tools.criteo_input import BlockReader, resolve_inputs
@@ -121,13 +121,14 @@ class _Progress:
 
     def task(self, name: str):
         t0 = time.perf_counter()
-        if self.p is None:
+        p = self.p
+        if p is None:
             return lambda rows, nbytes: None
-        tid = self.p.add_task(name, total=self.total, rows=0, rate=0.0)
+        tid = p.add_task(name, total=self.total, rows=0, rate=0.0)
 
         def update(rows: int, nbytes: int) -> None:
             dt = max(time.perf_counter() - t0, 1e-9)
-            self.p.update(tid, completed=nbytes, rows=rows, rate=rows / dt)
+            p.update(tid, completed=nbytes, rows=rows, rate=rows / dt)
 
         return update
 
@@ -141,7 +142,7 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     validate(cfg)
     console = console or Console(stderr=True, highlight=False)
     paths = resolve_inputs(cfg.input)
-    output = Path(cfg.output).expanduser()
+    output = output_dir(cfg)
     for p in paths:  # it would be read while its directory is replaced
         if output.resolve() in p.resolve().parents:
             raise UserError(f"input {p} is inside the output directory {output}; write the dataset elsewhere")
@@ -156,19 +157,12 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     unknown: dict[str, int] | None = None
     with _Progress(cfg.progress, total_bytes) as progress, dataset_dir.atomic_dataset_dir(output) as tmp:
         distinct: dict[str, int] | None = None
-        if source_vocab is None and cfg.hash_buckets is None:
+        given = _given_mapping(cfg, source_vocab, tmp)
+        if given is None:
             features, splits, skipped, distinct, vocab_entry = vocabulary_mode(
                 cfg, reader, paths, tmp, progress, timings, t0)
         else:
-            if source_vocab is not None:
-                vocabulary, features = source_vocab
-                vocab_entry = {**vocab_io.copy_vocabulary(Path(cfg.vocab).expanduser(), tmp),
-                               "source": str(Path(cfg.vocab).expanduser().absolute())}
-            else:
-                features = [SparseFeature(n, int(cfg.hash_buckets)) for n in CRITEO_SPARSE]
-                vocabulary = vocab_io.Vocabulary(CRITEO_SPARSE, "hash", hash_buckets=int(cfg.hash_buckets))
-                vocab_entry = {"mode": "hash", "hash_buckets": int(cfg.hash_buckets), "features": CRITEO_SPARSE,
-                               "fingerprint": vocab_io.hash_fingerprint(CRITEO_SPARSE, int(cfg.hash_buckets))}
+            vocabulary, features, vocab_entry = given
             splits, skipped, unseen = mapped_mode(cfg, reader, paths, tmp, progress, vocabulary, features)
             if source_vocab is not None:
                 unknown = dict(zip(CRITEO_SPARSE, map(int, unseen)))
@@ -201,8 +195,8 @@ def preprocess(cfg: CriteoConfig, *, console=None) -> Manifest:
     return manifest
 
 
-def _source_vocabulary(cfg: CriteoConfig):
-    """vocab=DIR: (the vocabulary, DIR's sparse features), checked; else None."""
+def _source_vocabulary(cfg: CriteoConfig) -> tuple[vocab_io.Vocabulary, list[SparseFeature], Path] | None:
+    """vocab=DIR: (the vocabulary, DIR's sparse features, DIR), checked; else None."""
     if cfg.vocab is None:
         return None
     from data_tools.manifest import ManifestError, load_manifest
@@ -215,7 +209,26 @@ def _source_vocabulary(cfg: CriteoConfig):
         raise UserError(f"vocab={cfg.vocab}: {e}") from None
     if vocabulary.features != CRITEO_SPARSE:
         raise UserError(f"vocab={cfg.vocab}: its features {vocabulary.features} are not Criteo's C1..C26")
-    return vocabulary, features
+    return vocabulary, features, source
+
+
+def _given_mapping(cfg: CriteoConfig, source_vocab: tuple[vocab_io.Vocabulary, list[SparseFeature], Path] | None,
+                   tmp: Path) -> tuple[vocab_io.Vocabulary, list[SparseFeature], dict] | None:
+    """The mapping the data are written with when it is not built from them
+    (vocab=DIR, copied into tmp, or hash_buckets=N): (the vocabulary, the
+    sparse features, the manifest's vocabulary entry); None otherwise."""
+    if source_vocab is not None:
+        vocabulary, features, source = source_vocab
+        entry = {**vocab_io.copy_vocabulary(source, tmp), "source": str(source.absolute())}
+        return vocabulary, features, entry
+    if cfg.hash_buckets is not None:
+        buckets = int(cfg.hash_buckets)
+        features = [SparseFeature(n, buckets) for n in CRITEO_SPARSE]
+        vocabulary = vocab_io.Vocabulary(CRITEO_SPARSE, "hash", hash_buckets=buckets)
+        entry = {"mode": "hash", "hash_buckets": buckets, "features": CRITEO_SPARSE,
+                 "fingerprint": vocab_io.hash_fingerprint(CRITEO_SPARSE, buckets)}
+        return vocabulary, features, entry
+    return None
 
 
 def _summary(console, m: Manifest, output: Path, seconds: float, timings: dict[str, float]) -> None:

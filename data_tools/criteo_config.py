@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from data_tools import shards as sh
@@ -63,9 +64,15 @@ class CriteoConfig:
     progress: bool = True  # a progress bar on a terminal
 
 
-def validate(cfg: CriteoConfig) -> None:
-    if cfg.output in (None, ""):
+def output_dir(cfg: CriteoConfig) -> Path:
+    """The dataset directory output= names; a UserError when it is not given."""
+    if cfg.output is None or cfg.output == "":
         raise UserError("output=DIR is required")
+    return Path(cfg.output).expanduser()
+
+
+def validate(cfg: CriteoConfig) -> None:
+    output_dir(cfg)
     if cfg.label_dtype not in ("float32", "int8"):
         raise UserError(f"label_dtype must be float32 or int8, got {cfg.label_dtype!r}")
     if cfg.split_by not in ("kaggle", "terabyte", "ratios", "none"):

@@ -105,7 +105,7 @@ def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, pr
                     spill.write_batch(batch)
             elif cfg.spill:
                 # 0 = missing, i + 1 = the value first seen i-th
-                cols = [pa.array(scatter(d.present[f], maps[f].count(d.values[f]) + 1)) for f in range(NUM_SPARSE)]
+                cols = [pa.array(scatter(d.present[f], maps[f].count_order(d.values[f]) + 1)) for f in range(NUM_SPARSE)]
                 if d.rows:
                     batch = _spill_batch(d, cols, label_type)
                     if spill is None:
@@ -140,7 +140,8 @@ def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, pr
             mapping_values.append(sorted_values)
             mapping_ids.append(sorted_ids)
             vocab.append(min(len(keep) + 1, cfg.max_vocab or len(keep) + 1))
-    for f, m in enumerate(maps):
+    for f in range(len(maps)):
+        m = maps.pop(0)  # off the list, its counts freed once this feature's ids are assigned
         if cfg.spill:
             keys, counts, first_seen = m.items_order()
         else:
@@ -155,7 +156,6 @@ def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, pr
             remap[first_seen[keep].astype(np.int64) + 1] = ids
             lookups.append(remap)
         vocab.append(min(len(keep) + 1, cfg.max_vocab or len(keep) + 1))
-        maps[f] = None  # free the counts
     del maps
     vocab_entry = vocab_io.write_vocabulary(tmp, CRITEO_SPARSE, mapping_values, mapping_ids,
                                            {"mode": "vocabulary", "min_count": cfg.min_count,
@@ -226,6 +226,9 @@ def _raw_column(present: np.ndarray, values: np.ndarray) -> pa.Array:
 
 
 def _spill_batch(d: DecodedBlock, cols: list[pa.Array], label_type) -> pa.RecordBatch:
+    # vocabulary mode parses labelled input (labels=false needs a given
+    # vocabulary or hashing) with its dense features whenever it spills
+    assert d.label is not None and d.dense is not None, "a spilled block has labels and dense features"
     arrays = [pa.array(d.label.astype(label_type, copy=False)), sh.dense_array(d.dense)]
     arrays += cols
     return pa.RecordBatch.from_arrays(arrays, names=["label", "dense", *CRITEO_SPARSE])

@@ -418,7 +418,7 @@ def _sample_chunk(world: _World, rng: np.random.Generator, n: int, session_start
     dense = dense_log1p(raw)  # what preprocessing computes from the same integers
     dense[dmissing] = 0.0
     bags = _bags(world, rng, ns)
-    if cfg.sessions and bags:
+    if session_of_row is not None and bags:  # session mode
         bags = _expand_bags(bags, session_of_row)
     z = world.logit(ids, dense, bags)
     out = {

@@ -103,7 +103,7 @@ class U32Map:
             w = np.flatnonzero(won)
             if vals is not None:
                 self.vals[target[w]] = vals[pending[w]]
-            if self.order is not None:
+            if self.order is not None and order is not None:  # order is set above whenever the map tracks it
                 self.order[target[w]] = order[pending[w]]
             out[pending[w]] = target[w]
             keep = ~won
@@ -158,6 +158,13 @@ class U32Map:
             np.add.at(self.vals, slots, 1)
         return self.order[slots] if self.order is not None else None
 
+    def count_order(self, v: np.ndarray) -> np.ndarray:
+        """count(v) of a map made with track_order: each key's insertion index."""
+        order = self.count(v)
+        if order is None:
+            raise ValueError("count_order: this map was made without track_order")
+        return order
+
     def get(self, v: np.ndarray, default: int = 0) -> np.ndarray:
         slots = self.find(v)
         found = slots >= 0
@@ -170,5 +177,7 @@ class U32Map:
         return (self.slots[used] - np.uint64(1)).astype(np.uint32), self.vals[used]
 
     def items_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.order is None:
+            raise ValueError("items_order: this map was made without track_order")
         used = self.slots != 0
         return (self.slots[used] - np.uint64(1)).astype(np.uint32), self.vals[used], self.order[used]

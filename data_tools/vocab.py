@@ -64,7 +64,9 @@ class Vocabulary:
     def lookup(self, f: int, raw: np.ndarray) -> np.ndarray:
         """Ids of feature f's present raw values (uint32)."""
         if self.mode == "hash":
+            assert self.hash_buckets is not None, "a hash vocabulary is made with its bucket count"
             return (np.asarray(raw, dtype=np.uint32) % np.uint32(self.hash_buckets - 1)).astype(np.int32) + 1
+        assert self.tables is not None, "a vocabulary-mode vocabulary is made with its tables"
         return self.tables[f].lookup(raw)
 
     def nbytes(self) -> int:
@@ -107,7 +109,7 @@ def write_vocabulary(directory: Path, features: Sequence[str], values: Sequence[
     for name, v, i in zip(features, values, ids):
         if len(v) > 1 and not (v[1:] > v[:-1]).all():
             raise ValueError(f"vocabulary of {name}: values must be sorted and unique")
-        entry = {}
+        entry: dict[str, object] = {}
         for kind, arr in (("values", np.asarray(v, dtype=np.uint32)), ("ids", np.asarray(i, dtype=np.int32))):
             path = vdir / f"{name}.{kind}.npy"
             np.save(path, arr)

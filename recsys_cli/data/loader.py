@@ -196,7 +196,9 @@ class ShardLoader:
                 if self._multi_hot[f]:
                     k = self._multi_keys.index(f)
                     for c, a, b in pieces:
-                        off, vals = c.multi[k]
+                        bag = c.multi[k]
+                        assert isinstance(bag, tuple), "bag runs come only with dedup (returned above)"
+                        off, vals = bag
                         vparts.append(vals[off[a] : off[b]])
                         lparts.append(np.diff(off[a : b + 1]))
                 else:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from data_tools.manifest import DENSE_COLUMN, LABEL_COLUMN, MANIFEST_NAME, Manifest, ManifestError, sha256_file
 from recsys_cli.data.jagged import take_bags
-from recsys_cli.data.reader_dedup import bag_runs
+from recsys_cli.data.reader_dedup import BagRuns, bag_runs
 
 __all__ = ["DecodedRowGroup", "RowGroup", "RowGroupReader", "seeded_rng", "session_permutation"]
 
@@ -44,7 +44,7 @@ class DecodedRowGroup:
         self.session: np.ndarray | None = session  # int64 [n]
         self.onehot: np.ndarray = onehot  # int64 [F_onehot, n]
         # per multi-hot feature: (offsets [n+1], values), or BagRuns with reader-side dedup
-        self.multi: list = multi
+        self.multi: list[BagRuns | tuple[np.ndarray, np.ndarray]] = multi
 
 
 def seeded_rng(*entropy: int) -> np.random.Generator:
@@ -89,6 +89,8 @@ class RowGroupReader:
         self.onehot_keys = [f for f in features if not self.multi_hot[f]]
         self.multi_keys = [f for f in features if self.multi_hot[f]]
         self.session_column = manifest.session_column
+        if keep_sessions and not self.session_column:
+            raise ValueError(f"keep_sessions: the {split} split of {dataset_dir} has no session column")
         self._verified: set[int] = set()  # shards whose checksum was checked
         self.files, self.row_groups = self._scan_shards()
         self.rows = np.array([rg.rows for rg in self.row_groups], dtype=np.int64)
@@ -234,14 +236,16 @@ class RowGroupReader:
 
         perm = None
         if rng is not None:
-            perm = session_permutation(session, rng) if self.keep_sessions else rng.permutation(n)
+            # keep_sessions comes with a session column (checked at construction)
+            perm = session_permutation(session, rng) if self.keep_sessions and session is not None \
+                else rng.permutation(n)
 
         onehot = np.empty((len(self.onehot_keys), n), dtype=np.int64)
         for j, f in enumerate(self.onehot_keys):
             ids = col(f).to_numpy(zero_copy_only=False)
             self._check_ids(rg, f, ids)
             onehot[j] = ids if perm is None else ids[perm]
-        multi = []
+        multi: list[BagRuns | tuple[np.ndarray, np.ndarray]] = []
         for f in self.multi_keys:
             arr = col(f)
             offsets = arr.offsets.to_numpy()

@@ -67,7 +67,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -75,6 +75,10 @@ from torch import nn
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import CONVERT_RENAMED, help_text, parse_options, require, wants_help
+
+if TYPE_CHECKING:  # at run time imported where they are used, as before
+    from recsys_cli.inference import InferenceTables
+    from recsys_cli.model.dlrm import DLRM
 
 METADATA = "recsys.json"
 M = TypeVar("M", bound=nn.Module)
@@ -139,6 +143,7 @@ class RawIds(nn.Module):
             return categorical.clamp(min=0)
         present = categorical >= 0
         if self.mode == "hash":
+            assert self.hash_buckets is not None, "hash mode is made with its bucket count"
             return torch.where(present, categorical.remainder(self.hash_buckets - 1) + 1, 0)
         present = present & (categorical < (1 << 32))
         keys = torch.where(present, categorical, 0) + self.offsets  # below the sentinel: positions in range
@@ -150,7 +155,7 @@ class RawIds(nn.Module):
 class ScoringModule(nn.Module):
     """(dense int64 [B, 13], categorical int64 [B, F]) raw -> click probabilities [B]."""
 
-    def __init__(self, dlrm: nn.Module, raw_ids: RawIds) -> None:
+    def __init__(self, dlrm: DLRM[InferenceTables], raw_ids: RawIds) -> None:
         super().__init__()
         self.dlrm = dlrm
         self.raw_ids = raw_ids
@@ -273,7 +278,7 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     from recsys_cli.inference import INFERENCE_PRECISIONS, load_model
 
     console = console or Console(stderr=True, highlight=False)
-    require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
+    checkpoint = require(cfg.checkpoint, "checkpoint", "export", "a run directory or a .pt file")
     if cfg.convert not in INFERENCE_PRECISIONS:
         raise UserError(f"convert={cfg.convert!r} is not one of {', '.join(INFERENCE_PRECISIONS)}")
     if cfg.format not in FORMATS:
@@ -281,7 +286,7 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
     with _phase(console, f"export: loading {cfg.checkpoint}", f"export: loaded {cfg.checkpoint}"):
-        loaded = load_model(cfg.checkpoint, device="cpu", precision=cfg.convert)
+        loaded = load_model(checkpoint, device="cpu", precision=cfg.convert)
     multi_hot = _multi_hot(loaded)
     if multi_hot:
         raise UserError(f"export scores one-hot features only; {loaded.checkpoint} has multi-hot features "
@@ -296,7 +301,7 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     if cfg.format == "pt2":
         with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
             program = export_program(loaded, raw_ids)
-    meta = {
+    meta: dict[str, Any] = {
         "format": "recsys export 2",
         "inputs": {"dense": "int64 [B, 13]: I1..I13 as written, missing -> 0",
                    "categorical": ("int64 [B, F]: C1..C26 as the uint32 their hex digits spell, missing -> -1"

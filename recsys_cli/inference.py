@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from recsys_cli.data.batch import Batch
 from recsys_cli.data.jagged import KeyedJaggedTensor
 from recsys_cli.embeddings.quant import dequantize_rows, quantize_rows
 from recsys_cli.errors import UserError
+
+if TYPE_CHECKING:  # at run time imported where a model is built (build_dlrm), as before
+    from recsys_cli.model.dlrm import DLRM
 
 INFERENCE_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
@@ -139,7 +143,7 @@ class InferenceTables(nn.Module):
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # DLRM over InferenceTables, in eval mode
+    model: DLRM[InferenceTables]  # in eval mode
     tables: InferenceTables
     checkpoint: Path
     state: dict  # the checkpoint without its tensors (config, features, dataset, vocabulary)
@@ -233,7 +237,7 @@ def dlrm_spec(model_cfg, num_dense: int) -> dict:
             "dcn_layers": int(m.get("dcn_layers", 3)), "dcn_rank": int(m.get("dcn_rank", 512))}
 
 
-def build_dlrm(tables: InferenceTables, spec: dict) -> nn.Module:
+def build_dlrm(tables: InferenceTables, spec: dict) -> DLRM[InferenceTables]:
     """The DLRM of `spec` (dlrm_spec) over `tables`, its MLP weights to be
     replaced by a checkpoint's. The constructor's initialisation (init="torch")
     draws from a forked RNG: loading a model leaves torch's global RNG as it was."""

@@ -66,12 +66,11 @@ class RowStore:
         (device_view: Runtime.device_view), so every read and write is a kernel
         over the host pages, with no copy. False, changing nothing, where
         there is no such view (CPU: the store stays a host store)."""
-        if self.precision != "fp32":
+        if not isinstance(self.rows, FP32Rows):
             return False
         weights, state = device_view(self.rows.weights), device_view(self.state)
         if weights is None or state is None:
             return False
-        assert isinstance(self.rows, FP32Rows)
         self.rows.weights, self.state, self.device, self.mapped = weights, state, with_index(device), True
         return True
 
@@ -84,9 +83,16 @@ class RowStore:
 
     def initial_view(self, start: int, end: int) -> torch.Tensor | None:
         """The fp32 host rows [start, end) to initialise in place, else None."""
-        if self.precision == "fp32" and self.device.type == "cpu":
+        if isinstance(self.rows, FP32Rows) and self.device.type == "cpu":
             return self.rows.weights[start:end]
         return None
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """An fp32 store's rows tensor (a table in memory: its step reads it directly)."""
+        if not isinstance(self.rows, FP32Rows):
+            raise TypeError(f"a {self.precision} store has no fp32 weights tensor")
+        return self.rows.weights
 
     @property
     def _keyed(self) -> bool:
@@ -117,9 +123,12 @@ class RowStore:
 
     def write(self, ids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, step: int | None = None) -> None:
         """Store fp32 rows (and state) of `ids`; step keys the rounding of a low-precision store."""
-        if self._keyed and step is None:
-            raise ValueError("a stochastically rounded write needs its step (the rounding key)")
-        self.rows.write(ids, rows, self.key(ids, step) if self._keyed else None)
+        key = None
+        if self._keyed:
+            if step is None:
+                raise ValueError("a stochastically rounded write needs its step (the rounding key)")
+            key = self.key(ids, step)
+        self.rows.write(ids, rows, key)
         if state.numel():
             self.state.index_copy_(0, ids, state)
 

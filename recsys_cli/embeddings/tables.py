@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import functools
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class TableGroup(abc.ABC):
 
     def __init__(
         self, tables: list[TableSpec], feature_tables: list[str], store: RowStoreProtocol,
-        optimizer: RowOptimizer, device: torch.device, store_tier: str = "device",
+        optimizer: RowOptimizer, device: torch.device, *, store_tier: str = "device",
     ) -> None:
         self.tables = tables
         self.store_tier = store_tier  # where the store counts: "device" or "host"
@@ -143,6 +144,8 @@ class DirectGroup(TableGroup):
     device are asynchronous."""
 
     store: RowStore  # in memory: the step reads its tensors directly
+    # (ids, rows, state, copied): a step's update on its way to the host table
+    _update_in_flight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None
 
     def __init__(self, *args, kind: str = "device", **kwargs) -> None:
         super().__init__(*args, store_tier="device" if kind == "device" else "host", **kwargs)
@@ -160,7 +163,7 @@ class DirectGroup(TableGroup):
         cols = self.store.state.shape[1]
         self.staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
         self.back_staging = (PinnedStaging(runtime, self.dim), PinnedStaging(runtime, cols)) if staged else None
-        self._update_in_flight = None  # (ids, rows, state, copied): a step's update on its way to the host table
+        self._update_in_flight = None
 
     def flush(self) -> None:
         """Write the last step's updated rows into the host table once their
@@ -196,7 +199,7 @@ class DirectGroup(TableGroup):
         ids = self._ids(plan)
         if self.store_tier == "host":  # counted on CPU runs too: the traffic a GPU would see
             self.bytes_to_device += ids.numel() * self.dim * 4
-        return self._gather(self.store.rows.weights, ids, self.staging and self.staging[0])
+        return self._gather(self.store.weights, ids, self.staging and self.staging[0])
 
     def update(self, plan: LookupPlan, rows: torch.Tensor, grad: torch.Tensor) -> None:
         self.flush()
@@ -217,7 +220,7 @@ class DirectGroup(TableGroup):
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         self.flush()
         if self.staging is not None and ids.device.type == "cpu":  # evaluation: pinned, so the copy is asynchronous
-            return self._gather(self.store.rows.weights, ids, self.staging[0])
+            return self._gather(self.store.weights, ids, self.staging[0])
         if ids.device != self.store.device:
             ids = self.runtime.to_device(ids, self.store.device) if ids.device.type == "cpu" else self.runtime.to_host(ids)
         return self.runtime.to_device(self.store.rows.read(ids), self.device)

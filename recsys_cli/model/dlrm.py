@@ -20,12 +20,12 @@ modes: xavier-normal V and W, zero bias.
 from __future__ import annotations
 
 import math
+from typing import Callable, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from recsys_cli.data.batch import Batch
-from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.model.linear import Linear
 
 INTERACTIONS = ("dot", "cat", "dcn")
@@ -54,6 +54,21 @@ def init_dlrm_(module: nn.Module, generator: torch.Generator) -> None:
                 layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
 
 
+class PooledEmbeddings(Protocol):
+    """What DLRM asks of its embeddings (a module): the training collection
+    (embeddings/collection.py) or a loaded model's tables (inference.py)."""
+
+    features: list[str]  # the sparse features, in the order of the pooled rows
+    dim: int
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Pooled embeddings [B, F, dim] of the batch's sparse features."""
+        ...
+
+
+E = TypeVar("E", bound=PooledEmbeddings)
+
+
 class LowRankCrossNet(nn.Module):
     """DCNv2 cross layers with low-rank weights W_l V_l (W_l: [dim, rank],
     V_l: [rank, dim]); the output has the input's width."""
@@ -66,6 +81,7 @@ class LowRankCrossNet(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         for v, w in zip(self.V, self.W):
+            assert isinstance(v, nn.Linear) and isinstance(w, nn.Linear)  # a ModuleList's items are Modules to mypy
             nn.init.xavier_normal_(v.weight, generator=generator)
             nn.init.xavier_normal_(w.weight, generator=generator)
             nn.init.zeros_(w.bias)
@@ -77,9 +93,14 @@ class LowRankCrossNet(nn.Module):
         return x
 
 
-class DLRM(nn.Module):
+class DLRM(nn.Module, Generic[E]):
+    """Over embeddings of type E: DLRM[EmbeddingBagCollection] trains,
+    DLRM[InferenceTables] scores a loaded checkpoint."""
+
+    _tri_flat: torch.Tensor  # interaction=dot: a buffer (register_buffer)
+
     def __init__(
-        self, num_dense: int, embeddings: EmbeddingBagCollection, bottom_mlp: list[int], top_mlp: list[int],
+        self, num_dense: int, embeddings: E, bottom_mlp: list[int], top_mlp: list[int],
         interaction: str = "dot", init: str = "dlrm", dcn_layers: int = 3, dcn_rank: int = 512, seed: int = 0,
         compile: bool = False, dense_precision: str = "fp32",
     ) -> None:
@@ -96,7 +117,8 @@ class DLRM(nn.Module):
             raise ValueError(f"unknown dense_precision {dense_precision!r}")
         self.dense_precision = dense_precision
         self.compile_steps = compile
-        self._compiled = None  # made on the first training step
+        # made on the first training step
+        self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.embeddings = embeddings
         self.interaction = interaction
         num_sparse, dim = len(embeddings.features), embeddings.dim
@@ -116,11 +138,11 @@ class DLRM(nn.Module):
                 self.cross = LowRankCrossNet(top_in, dcn_layers, dcn_rank)
         self.top = mlp([top_in, *top_mlp], final_relu=False)
         generator = torch.Generator().manual_seed(seed) if init == "dlrm" else None  # torch: the global RNG
-        if init == "dlrm":
+        if generator is not None:
             init_dlrm_(self.bottom, generator)
         if self.cross is not None:
             self.cross.reset_parameters(generator)
-        if init == "dlrm":
+        if generator is not None:
             init_dlrm_(self.top, generator)
 
     def interact(self, bottom: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ the categorical values through the dataset's mapping: vocabulary mode, one
 binary search over the saved sorted values (0 for values without an id and
 for missing ones); hashing mode, 1 + value % (buckets - 1), 0 for missing;
 a dataset without raw values (synthetic) takes its ids as they are (missing
-or -1 -> 0). An fp32 artifact scores raw rows bit for bit like `recsys
+or -1 -> 0; an id past its table is an error naming the feature: a
+ValueError, or the program's RuntimeError). An fp32 artifact scores raw rows bit for bit like `recsys
 predict` on them at the same batch size and thread count (tested).
 
 Tables are stored in `convert`'s precision (converted from the checkpoint's, by
@@ -161,8 +162,30 @@ class ScoringModule(nn.Module):
         self.raw_ids = raw_ids
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
-        pooled = self.dlrm.embeddings.pool_onehot(self.raw_ids(categorical))
-        return torch.sigmoid(self.dlrm.dense_forward(dense_log1p(dense), pooled))
+        tables = self.dlrm.embeddings
+        ids = self.raw_ids(categorical)
+        if self.raw_ids.mode == "ids":  # the other mappings give ids of the tables by construction
+            check_ids_in_tables(ids, tables.features, tables.num_rows)
+        return torch.sigmoid(self.dlrm.dense_forward(dense_log1p(dense), tables.pool_onehot(ids)))
+
+
+def check_ids_in_tables(ids: torch.Tensor, features: list[str], num_rows: list[int]) -> None:
+    """ids int64 [B, F] (negative ones already 0: missing) against each
+    feature's table, as the training loader checks a dataset's ids: an id past
+    a table is an error naming the feature, where indexing would fail with a
+    bare IndexError. Eager (format=module): a ValueError naming the id too. In
+    a torch.export program a message cannot hold a value from the data: one
+    runtime assertion per feature, naming it and its table's rows."""
+    if torch.compiler.is_exporting():
+        for f, (name, rows) in enumerate(zip(features, num_rows)):
+            torch._assert_async((ids[:, f] < rows).all(),
+                                f"categorical {name}: an id outside [0, {rows}) (the table's rows)")
+        return
+    past = ids >= torch.tensor(num_rows, dtype=ids.dtype, device=ids.device)
+    if bool(past.any()):
+        row, f = (int(i) for i in past.nonzero()[0])
+        raise ValueError(f"categorical {features[f]}: id {int(ids[row, f])} (row {row}) is outside "
+                         f"[0, {num_rows[f]}) (the table's rows)")
 
 
 def raw_ids_of(loaded, vocab_dir: str | None) -> RawIds:

@@ -4,6 +4,7 @@ evaluation, bit for bit in fp32; unlabelled input; atomic output; bad input."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -447,3 +448,33 @@ def test_predict_any_placement_and_precision(trained, tmp_path, placement, preci
     assert loaded.tables.precision == precision
     got = torch.cat([lg for lg, _ in dataset_logits(loaded, trained["data"], ["val"], 128)])
     assert torch.equal(got, ref)
+
+
+def test_exported_ids_past_a_table_are_an_error_naming_the_feature(tmp_path):
+    """A synthetic dataset's artifact takes ids as they are: an id past a
+    feature's table is refused naming the feature (format=module: and the id),
+    as the loader refuses such a dataset, not a bare IndexError; the last row
+    of every table still scores."""
+    from recsys_cli.export import ExportConfig, export, load_scorer
+
+    cfg = config(tmp_path / "cache", trainer__max_steps=5, trainer__checkpoint_dir=str(tmp_path / "run" / "checkpoints"),
+                 trainer__device="cpu")
+    (tmp_path / "run").mkdir()
+    Trainer(cfg, run_dir=tmp_path / "run").fit()
+    loaded = load_model(tmp_path / "run", device="cpu")
+    sizes = list(loaded.features.values())
+    dense = torch.zeros(2, 13, dtype=torch.int64)
+    last = torch.tensor([[n - 1 for n in sizes], [0] * len(sizes)])  # each table's last row, then its first
+    past = last.clone()
+    past[1, 3] = sizes[3]
+    name = list(loaded.features)[3]
+    expected = torch.sigmoid(loaded.logits_onehot(torch.zeros(2, 13), last))
+    for fmt, error, message in (("module", ValueError, f"categorical {name}: id {sizes[3]} (row 1) is outside "
+                                                       f"[0, {sizes[3]})"),
+                                ("pt2", RuntimeError, f"categorical {name}: an id outside [0, {sizes[3]})")):
+        out = tmp_path / f"model.{fmt}"
+        assert export(ExportConfig(checkpoint=str(tmp_path / "run"), format=fmt, output=str(out)))["mapping"] == "ids"
+        model = load_scorer(out, trust_program=True)
+        assert torch.equal(model(dense, last), expected)
+        with pytest.raises(error, match=re.escape(message)):
+            model(dense, past)

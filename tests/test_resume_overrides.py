@@ -167,3 +167,29 @@ def test_a_checkpoint_kept_elsewhere_gives_the_values_of_its_saved_config(tmp_pa
     again = OmegaConf.to_container(check_overrides(restored.overrides), resolve=True)
     saved["trainer"].update(max_steps=30, resume="last", checkpoint_dir="ck")
     assert again == saved
+
+
+def test_relative_paths_are_taken_against_the_directory_the_run_started_in(tmp_path, monkeypatch):
+    """The run started in start/ with relative paths; it resumes from
+    elsewhere/: its path overrides are taken absolute against start/ (as
+    Hydra recorded it), other values and absolute paths as they were; a path
+    the command line gives again is its own; a run without Hydra's record
+    keeps its overrides as written."""
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    saved = ["dataset.path=data/x", "dataset.cache_dir='my cache'", "placement.disk_path=/abs/rows",
+             "trainer.checkpoint_dir=ckpts", "dataset.synthetic.rows=4000", "model.interaction=cat"]
+    fake_run(start / "r1", saved)
+    (start / "r1" / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {start}\n")
+    monkeypatch.chdir(elsewhere)
+    given = ["trainer.resume=last", f"hydra.run.dir={start / 'r1'}"]
+    assert with_saved_overrides(given).taken == [
+        f"dataset.path={start / 'data' / 'x'}", f"dataset.cache_dir='{start / 'my cache'}'",
+        "placement.disk_path=/abs/rows", f"trainer.checkpoint_dir={start / 'ckpts'}",
+        "dataset.synthetic.rows=4000", "model.interaction=cat"]
+    restored = with_saved_overrides([*given, "dataset.path=other"])
+    assert "dataset.path=other" in restored.overrides and restored.replaced == [("dataset.path=data/x",
+                                                                                 "dataset.path=other")]
+    assert not any(o.startswith(f"dataset.path={start}") for o in restored.overrides)
+    (start / "r1" / ".hydra" / "hydra.yaml").unlink()
+    assert with_saved_overrides(given).taken == saved

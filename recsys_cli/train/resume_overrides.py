@@ -22,6 +22,12 @@ says the run's values, and every key where it differs from what the command
 line composes is taken as key=value (from_checkpoint_config). Sweeps (-m)
 take nothing: each job names its own values.
 
+A relative path among the run's overrides (dataset.path=data/x, and the
+other PATH_KEYS) was relative to the directory the run started in, which
+need not be where it resumes: it is taken made absolute against that
+directory, as Hydra recorded it beside the overrides (.hydra/hydra.yaml,
+hydra.runtime.cwd). A path the command line gives is its own, as given.
+
 Only the launching process says what it took (RANK 0 or no RANK): torchrun's
 other ranks compute the same overrides from the same files, silently.
 """
@@ -37,6 +43,10 @@ from typing import Any, Callable
 from recsys_cli.errors import UserError
 
 SAVED = Path(".hydra") / "overrides.yaml"
+HYDRA_SAVED = Path(".hydra") / "hydra.yaml"  # Hydra's own config of the run: hydra.runtime.cwd, where it started
+# The schema's path-valued keys a resume takes: a relative path in the run's
+# overrides was relative to where the run started, not to where it resumes.
+PATH_KEYS = ("dataset.path", "dataset.cache_dir", "placement.disk_path", "trainer.checkpoint_dir")
 RESUME_KEY = "trainer.resume"
 # Not taken from the run resumed: which checkpoint to continue is the command line's own
 # choice, and the run resumed may have started from trainer.init_from, which a resume refuses.
@@ -92,6 +102,33 @@ def _read_saved(path: Path) -> list[str]:
     return saved
 
 
+def _started_in(source: Path) -> Path | None:
+    """The working directory the run of `source` (its .hydra/overrides.yaml)
+    started in, as Hydra recorded it beside it (hydra.runtime.cwd); None
+    where it did not."""
+    import yaml
+
+    try:
+        hydra = yaml.safe_load((source.parent.parent / HYDRA_SAVED).read_text())
+        cwd = hydra["hydra"]["runtime"]["cwd"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError):
+        return None
+    return Path(cwd) if isinstance(cwd, str) and Path(cwd).is_absolute() else None
+
+
+def anchored(override: str, cwd: Path | None) -> str:
+    """A path key's override with its relative path made absolute against
+    `cwd` (the directory the run started in); any other override as it is."""
+    left, eq, value = override.partition("=")
+    if cwd is None or not eq or key_of(override) not in PATH_KEYS:
+        return override
+    quote = value[:1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else ""
+    path = value[1:-1] if quote else value  # a backslash (an escape in Hydra's grammar): left as written
+    if path in ("", "null", "~") or "\\" in path or "${" in path or Path(path).expanduser().is_absolute():
+        return override
+    return f"{left}={_override_value(str(cwd / path))}"
+
+
 def run_overrides_file(checkpoint: Path | None, run_dir: Path | None) -> Path | None:
     """The overrides.yaml of the run that wrote `checkpoint`: its run
     directory's (checkpoints/ sits in it), else `run_dir`'s (hydra.run.dir:
@@ -135,13 +172,14 @@ def with_saved_overrides(overrides: list[str], compose: Callable[[list[str]], An
     if source is None:
         return Restored(list(overrides))
     given_keys = {key_of(o) for o in overrides}
+    started_in = _started_in(source)
     taken, replaced = [], []
     for saved in _read_saved(source):
         key = key_of(saved)
         if key in NOT_TAKEN or key.startswith("hydra."):
             continue
         if key not in given_keys:
-            taken.append(saved)
+            taken.append(anchored(saved, started_in))
             continue
         given = next(o for o in reversed(overrides) if key_of(o) == key)
         if given != saved:

@@ -191,6 +191,35 @@ def test_the_readme_fits_two_screens_and_its_figures_are_benchmarks_rows():
             assert figure in current, f"{figure} of the README's headline table is not in BENCHMARKS.md's current figures"
 
 
+
+def test_every_current_figure_command_names_a_benchmark_that_exists():
+    """The command column of BENCHMARKS.md's current figures: a command to
+    run names a standard benchmark (bench/standard/), a bench module or a
+    make target that exists; a figure whose script is gone says so
+    ("script removed in", "the figure from"), and that script is gone."""
+    current = (ROOT / "BENCHMARKS.md").read_text().split("# The log", 1)[0]
+    rows = [r for r in current.split("## Current figures", 1)[1].splitlines() if r.startswith("| ")][2:]
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    checked = 0
+    for row in rows:
+        command = row.strip().strip("|").split(" | ")[-1]
+        for historical in re.findall(r"(?:last run as|the figure from) `python -m (bench[.\w]+)", command):
+            assert not (ROOT / (historical.replace(".", "/") + ".py")).exists(), f"{historical} exists: {row}"
+        if command.startswith("(script removed in") or "`" not in command:
+            continue
+        live = command.split("`")[1].split()
+        if live[:3] == ["python", "-m", "bench"]:
+            assert (ROOT / "bench" / "standard" / f"{live[3]}.py").is_file(), row
+        elif live[:2] == ["python", "-m"]:
+            assert (ROOT / (live[2].replace(".", "/") + ".py")).is_file(), row
+        elif live[0] == "make":
+            assert live[1] in targets, row
+        else:
+            assert live[0] == "recsys", row
+        checked += 1
+    assert checked >= 20
+
+
 # --- the tutorials run ------------------------------------------------------------------------
 IN_PROCESS = ("preprocess", "predict", "evaluate", "export", "verify", "report")
 

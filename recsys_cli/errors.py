@@ -9,6 +9,7 @@ a bracket in it (gloo's `[/__w/pytorch/...cc:78]`) is never read as markup
 """
 
 import sys
+from typing import NoReturn
 
 from data_tools.errors import UserError, say, write_error
 
@@ -23,7 +24,7 @@ def error_line(message: str, label: str = "error:", style: str = "bold red") -> 
     say(Console(stderr=True), message, label, style, highlight=False, soft_wrap=True)
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """Print `error: message` on stderr as one line and exit with `code`."""
     error_line(message)
     sys.exit(code)

@@ -66,6 +66,7 @@ def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
     each renamed into place: a resume on several ranks reads overrides.yaml
     while rank 0 rewrites it (resume_overrides.py)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
+    assert isinstance(hydra_cfg, dict), "Hydra's config is a mapping"
     hydra_cfg["output_subdir"] = _output_subdir
     for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
                        ("overrides.yaml", HydraConfig.get().overrides.task)):
@@ -116,7 +117,8 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
         return None
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
-        keep = [o.input_line for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+        keep = [o.input_line for o in parsed  # input_line: None only for overrides made in code, not parsed
+                if o.input_line is not None and not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="train", overrides=keep)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
@@ -183,7 +185,7 @@ def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
     if not isinstance(node, DictConfig) or not isinstance(schema, DictConfig) or OmegaConf.get_type(schema) is dict:
         return []
     out = []
-    for key in node.keys():
+    for key in map(str, node.keys()):  # a structured schema's keys are strings
         if key not in schema:
             out.append(f"{prefix}{key}")
         else:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 # 128 + SIGTERM, the shell's status of a process SIGTERM ended: not 0 (the run
 # did not finish), not 1 (no bug) nor 2 (no user error); schedulers that requeue
@@ -64,7 +64,7 @@ class SigtermFlag:
             self._installed = False
 
 
-def say_preempted(message: str) -> None:
+def say_preempted(message: str) -> NoReturn:
     """Print `preempted: message` on stderr as one line and exit with EXIT_STATUS."""
     import sys
 

@@ -39,7 +39,7 @@ class Resumed:
     epoch: int
     batch_in_epoch: int
     samples: int
-    metrics: list[dict] | None  # metrics.jsonl up to the step (None: a checkpoint older than saved metrics)
+    metrics: list[str] | None  # metrics.jsonl's lines up to the step (None: a checkpoint older than saved metrics)
     running_loss: torch.Tensor | None
     running_steps: int
     loop: dict | None = None  # the loop rules' state (loop_control.py); None: a checkpoint older than them

@@ -120,6 +120,7 @@ class Trainer:
         strategies.check(cfg, embeddings)
         # foreach: one multi-tensor kernel per update instead of a Python loop
         # over the parameters (CPU defaults to the loop); the same arithmetic.
+        self.dense_optimizer: torch.optim.Optimizer
         if opt.name == "sgd":
             self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, foreach=True)
         else:
@@ -149,7 +150,7 @@ class Trainer:
                                "shuffle decides); trainer.drop_last=false trains on them as a smaller batch",
                                soft_wrap=True, highlight=False)
         splits = data.manifest.splits
-        self.eval_loaders = {
+        self.eval_loaders: dict[str, ShardLoader] = {
             split: ShardLoader(data.directory, split, tc.eval_batch_size, shuffle=False, drop_last=False, **loader_args)
             for split in ("val", "test") if split in splits and splits[split].rows > 0
         }
@@ -338,7 +339,7 @@ class Trainer:
 
     def step_record(self, loss: float, rate: float) -> dict:
         """What a log line says: loss, speed, the cache's hit rate so far, and the seconds spent per phase."""
-        record = {"step": self.step, "epoch": self.epoch, "loss": loss, "samples_per_second": rate,
+        record: dict[str, object] = {"step": self.step, "epoch": self.epoch, "loss": loss, "samples_per_second": rate,
                   "lr": self.schedule.lr(self.step)}
         hit_rate = self.embeddings.stats().get("hit_rate")
         if hit_rate is not None:
@@ -412,7 +413,8 @@ class Trainer:
         return self.copier.to_device(batch)  # Batch.to; on CUDA on the copy stream, overlapping the previous step
 
     def count_dedup(self, batch: Batch) -> None:
-        self.id_counts += batch.id_counts
+        if batch.id_counts is not None:  # a deduplicated batch's (the loader counts as it deduplicates)
+            self.id_counts += batch.id_counts
 
     def duplication(self) -> dict:
         """RecD's measure: the share of a batch's ids that repeat a value
@@ -517,7 +519,8 @@ class Trainer:
 
     def mark_best(self) -> None:
         """checkpoints/best.json names this step's checkpoint (rank 0 writes)."""
-        if self.dist.is_main:
+        # called once a new best is saved: there is a checkpoint directory and a best value
+        if self.dist.is_main and self.checkpoint_dir is not None and self.control.best is not None:
             ckpt.mark_best(self.checkpoint_dir, self.step, self.control.metric, self.control.mode, self.control.best,
                            keep=self.cfg.trainer.keep_last)
 
@@ -525,7 +528,8 @@ class Trainer:
         """A run killed between saving a new best and naming it in best.json
         names it now: the checkpoint's loop state knows which step it was."""
         best = self.control.best_step
-        if self.cfg.trainer.keep_best and best is not None and self.checkpoint_dir is not None and self.dist.is_main:
+        if self.cfg.trainer.keep_best and best is not None and self.checkpoint_dir is not None and self.dist.is_main \
+                and self.control.best is not None:
             if ckpt.best_step(self.checkpoint_dir) != best and (self.checkpoint_dir / ckpt.step_file(best)).is_file():
                 ckpt.mark_best(self.checkpoint_dir, best, self.control.metric, self.control.mode, self.control.best,
                                keep=self.cfg.trainer.keep_last)
@@ -568,13 +572,14 @@ class Trainer:
         }
 
     def save(self) -> Path | None:
-        if self.checkpoint_dir is None:
+        directory = self.checkpoint_dir
+        if directory is None:
             return None
         self.saved_step = self.step
         # Distributed: rank 0 writes (every rank restores), the others wait for it.
-        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(),
+        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(directory, self.step, self.state_dict(),
                                                                       keep=self.cfg.trainer.keep_last),
-                                        self.checkpoint_dir, self.step)
+                                        directory, self.step)
         return_free_memory()  # the save's buffers, as after an evaluation
         return path
 
@@ -590,6 +595,7 @@ class Trainer:
         self.control.load_state_dict(at.loop)
         if at.metrics is not None:
             self.log.restore(at.metrics)
+        if at.running_loss is not None:  # saved with the metrics
             self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
         self.saved_step = self.step
         if self.console is not None:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -92,9 +94,12 @@ def finish(nodes: list[subprocess.Popen]) -> list[tuple[int, str]]:
     return out
 
 
-def two_nodes(work: Path, args: list[str], run: str) -> None:
-    for code, text in finish(start_nodes(work, [*COMMON, *args], run)):
+def two_nodes(work: Path, args: list[str], run: str) -> str:
+    """Run both nodes to the end; what the first (rank 0, which prints) printed."""
+    done = finish(start_nodes(work, [*COMMON, *args], run))
+    for code, text in done:
         assert code == 0, text[-3000:]
+    return done[0][1]
 
 
 def one_process(work: Path, args: list[str], run: str) -> None:
@@ -158,7 +163,8 @@ def lose_a_node_then_resume(work: Path, args: list[str], run: str, lost: int) ->
         finish(nodes)
     killed_at = json.loads(latest.read_text())["step"]
     assert killed_at < STEPS, "the run finished before a node was lost"
-    two_nodes(work, [*args, "trainer.resume=last"], run)
+    said = " ".join(two_nodes(work, [*args, "trainer.resume=last"], run).split())  # unwrapped
+    assert re.search(rf"resumed from \S.* at step {killed_at}\b", said), said[-3000:]  # not trained afresh
     return killed_at
 
 
@@ -168,6 +174,28 @@ def assert_resumed_exactly(run: Path, uninterrupted: Path) -> None:
     assert records(run) == records(uninterrupted)  # metrics.jsonl rewound to the checkpoint and continued
     final = lambda r: json.loads((r / "summary.json").read_text())["final"]  # noqa: E731
     assert final(run) == final(uninterrupted)
+
+
+def documented_commands() -> list[list[str]]:
+    """The torchrun commands of docs/how-to/multi-process.md's "Several nodes"
+    (its first bash block, continuation lines joined)."""
+    text = (Path(__file__).parents[1] / "docs" / "how-to" / "multi-process.md").read_text()
+    section = text[text.index("## Several nodes"):]
+    block = section[section.index("```bash\n") + 8:section.index("\n```", section.index("```bash\n"))]
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.startswith("torchrun ")]
+
+
+def test_the_documented_commands_are_the_ones_the_tests_run():
+    """The flags a user types on each node, and the relaunch after a lost
+    node, are node_command's; the training arguments are the user's own."""
+    documented = documented_commands()
+    assert len(documented) == 4  # two nodes, then both again
+    for index, command in enumerate(documented):
+        node, args = index % 2, command[command.index("train") + 1:]
+        launch = " ".join(command).replace("HOST0", "127.0.0.1").replace("HOST1", "127.0.0.1").split()
+        assert [sys.executable, "-m", "torch.distributed.run", *launch[1:]] == node_command(node, 29500, "JOB", args)
+        assert (args[-1] == "trainer.resume=last") if index >= 2 else ("trainer.resume=last" not in args)
+    assert documented[2][:-1] == documented[0] and documented[3][:-1] == documented[1]
 
 
 @pytest.fixture(scope="module")

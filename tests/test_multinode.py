@@ -6,10 +6,10 @@ so): `--nnodes 2 --nproc-per-node 1`, c10d's rendezvous at an endpoint both
 reach (here 127.0.0.1, the first node hosting its store: is_host=true, the
 other is_host=false), every address on the loopback interface
 (--local-addr, GLOO_SOCKET_IFNAME), and the run directory and checkpoints on
-a file system both see (here the same directory). The runs equal the one-process run on the same global batch as
-the multi-process tests hold it (tests/test_distributed.py, test_sharding.py:
-per-step losses and every weight to 1e-5: the all-reduce sums gradients in
-another order).
+a file system both see (here the same directory). The runs equal the
+one-process run on the same global batch as the multi-process tests hold it
+(tests/test_distributed.py, test_sharding.py: per-step losses and every
+weight to 1e-5: the all-reduce sums gradients in another order).
 
 A lost node: once the first checkpoint is written, one node is killed
 (SIGKILL to its agent and its training process), the other's agent ends

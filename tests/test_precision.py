@@ -205,20 +205,12 @@ def test_a_dim_128_table_has_the_bits_it_had(tmp_path, where, precision):
 
 def _quantize_as_before(rows, bits, rounding, noise):
     """quantize_rows as it was at f6ca939: amin/amax reductions, out-of-place
-    ops, uint8 codes packed with shifts."""
-    from recsys_cli.embeddings.quant import _fp16_down, _fp16_up
+    ops, uint8 codes packed with shifts (its grid, unchanged, is quant's)."""
+    from recsys_cli.embeddings.quant import _grid
 
     levels = (1 << bits) - 1
     lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
-    if rounding == "stochastic":
-        bias = _fp16_down(lo)
-        scale = _fp16_up((hi - bias.float()) / levels)
-    else:
-        bias = lo.half()
-        bias = torch.where(lo < bias.float() - ((hi - lo) / levels) / 2, _fp16_down(lo), bias)
-        scale = ((hi - bias.float()) / levels).half()
-        short = hi - (bias.float() + levels * scale.float())
-        scale = torch.where(short > scale.float() / 2, _fp16_up((hi - bias.float()) / levels), scale)
+    scale, bias = _grid(lo, hi, levels, rounding)  # unchanged: the same fp16 grid from the same extremes
     scale_f = scale.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
     x = (rows - bias.float()) / safe

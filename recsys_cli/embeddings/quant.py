@@ -172,6 +172,24 @@ def _fp16_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(too_small, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
+def _grid(lo: torch.Tensor, hi: torch.Tensor, levels: int, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's fp16 (scale, bias) from its min and max ([n, 1] each)."""
+    if rounding == "stochastic":
+        # The grid must cover [lo, hi] exactly, or clamping would bias the ends.
+        bias = _fp16_down(lo)
+        scale = _fp16_up((hi - bias.float()) / levels)
+    else:
+        # Nearest: a grid that misses an end by less than half a step keeps the
+        # half-step error bound and, unlike always widening it, re-quantizes a
+        # row that barely changed to the same grid (no creeping growth).
+        bias = lo.half()
+        bias = torch.where(lo < bias.float() - ((hi - lo) / levels) / 2, _fp16_down(lo), bias)
+        scale = ((hi - bias.float()) / levels).half()
+        short = hi - (bias.float() + levels * scale.float())
+        scale = torch.where(short > scale.float() / 2, _fp16_up((hi - bias.float()) / levels), scale)
+    return scale, bias
+
+
 def quantize_rows(
     rows: torch.Tensor, bits: int, rounding: str = "stochastic", noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,19 +204,7 @@ def quantize_rows(
         lo, hi = _row_extremes(rows)
     else:
         lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
-    if rounding == "stochastic":
-        # The grid must cover [lo, hi] exactly, or clamping would bias the ends.
-        bias = _fp16_down(lo)
-        scale = _fp16_up((hi - bias.float()) / levels)
-    else:
-        # Nearest: a grid that misses an end by less than half a step keeps the
-        # half-step error bound and, unlike always widening it, re-quantizes a
-        # row that barely changed to the same grid (no creeping growth).
-        bias = lo.half()
-        bias = torch.where(lo < bias.float() - ((hi - lo) / levels) / 2, _fp16_down(lo), bias)
-        scale = ((hi - bias.float()) / levels).half()
-        short = hi - (bias.float() + levels * scale.float())
-        scale = torch.where(short > scale.float() / 2, _fp16_up((hi - bias.float()) / levels), scale)
+    scale, bias = _grid(lo, hi, levels, rounding)
     scale_f = scale.float()
     # A constant row has scale 0: every code is 0 and the bias holds the value.
     # (One temporary, rounded and clamped in place: the same ops as out of place.)

@@ -130,6 +130,13 @@ def test_int32_counter_hash_equals_the_int64_arithmetic():
         bits = RoundingKey(seed, table, row, step).hashes(width)
         assert bits.dtype == torch.int32 and torch.equal(bits.to(torch.int64) & MASK32, reference)
         assert torch.equal(uniform_noise(bits), uniform_noise(reference))
+    # A row wider than 2**16 columns: fmix32's first step is not folded per row there.
+    steps = torch.tensor([3, -1])
+    h = torch.full((2,), 7, dtype=torch.int64)
+    for word in (table[:2] & MASK32, row[:2] & MASK32, row[:2] >> 32, steps & MASK32):
+        h = fmix32(h ^ word ^ 0x9E3779B9)
+    assert torch.equal(counter_hash(7, table[:2], row[:2], steps, 70_000),
+                       fmix32(fmix32(h.unsqueeze(1) ^ torch.arange(70_000))))
 
 
 # sha256 (first 32 hex digits) of the tables below as built before the
@@ -154,6 +161,95 @@ def test_a_built_low_precision_table_has_the_bits_it_had(precision):
     for tensor in store.rows.tensors().values():
         digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     assert digest.hexdigest()[:32] == BUILT_BEFORE[precision]
+
+
+# sha256 (first 32 hex digits) of dim-128 tables (MLPerf DLRM-DCNv2's dim) as
+# built at f6ca939, before the build drew each init block's stream once, in
+# fp32, and the CPU's hashes, row extremes and int4 packing changed: in host
+# memory and in a disk store's file (codes, scale/bias and state records).
+BUILT_AT_DIM_128 = {
+    ("host", "int4"): "3fc79d40f301e626cefa787cbc8087ca", ("disk", "int4"): "ed118edec6778941e332bdd1ffe9af88",
+    ("host", "int8"): "5ded92b6c11807c4f9f0d9b2fc4a096a", ("disk", "int8"): "0baa193bde4de847df4e97e61492fedc",
+    ("host", "fp16"): "527cb2704bee8cfcf04f889ce5220d69", ("disk", "fp16"): "694ac78137056bea6ecc56acd0db063b",
+}
+
+
+@pytest.mark.parametrize("where,precision", sorted(BUILT_AT_DIM_128))
+def test_a_dim_128_table_has_the_bits_it_had(tmp_path, where, precision):
+    import hashlib
+
+    import numpy as np
+
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.store import RowStore
+    from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
+
+    seed = 2**33 + 7
+    # the shard starts mid-block (row 1000 of its table): its first block's stream is drawn from the block's start
+    specs = [TableSpec("C1", 9001, 128), TableSpec("C7", 5000, 128, first_row=1000, table_num_rows=90000)]
+    digest = hashlib.sha256()
+    if where == "host":
+        store = RowStore(14001, 128, torch.zeros(14001, 1), precision=precision, seed=seed,
+                         table_rows=[(0, 9001), (6, 5000, 1000)])
+        build_initial_rows(specs, seed, store.write_initial, into=store.initial_view, workers=2)
+        for tensor in store.rows.tensors().values():
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    else:
+        disk = DiskRowStore(specs, [0, 6], precision, "stochastic", seed, 1, 0.25, str(tmp_path), host_cache_rows=0)
+        try:
+            digest.update(np.fromfile(disk.path, dtype=np.uint8).tobytes())
+        finally:
+            disk.close()
+    assert digest.hexdigest()[:32] == BUILT_AT_DIM_128[where, precision]
+
+
+def _quantize_as_before(rows, bits, rounding, noise):
+    """quantize_rows as it was at f6ca939: amin/amax reductions, out-of-place
+    ops, uint8 codes packed with shifts (its grid, unchanged, is quant's)."""
+    from recsys_cli.embeddings.quant import _grid
+
+    levels = (1 << bits) - 1
+    lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+    scale, bias = _grid(lo, hi, levels, rounding)  # unchanged: the same fp16 grid from the same extremes
+    scale_f = scale.float()
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    x = (rows - bias.float()) / safe
+    codes = (torch.round(x) if rounding == "nearest" else torch.floor(x + noise)).clamp_(0, levels)
+    codes = torch.where(scale_f > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes, torch.cat([scale, bias], dim=1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_quantize_rows_gives_the_bits_it_gave(bits, rounding):
+    """The CPU quantizer (a tree of elementwise min/max, in-place rounding,
+    int4 packed in fp32 when every code is finite) against the ops it
+    replaced, on rows with the cases its shortcuts must leave alone: -0.0
+    beside 0.0 as a row's min or max, constant rows, NaN, +-inf, odd widths."""
+    g = torch.Generator().manual_seed(3)
+    for width in (128, 16, 2, 6) if bits == 4 else (128, 7, 1):
+        x = torch.randn(64, width, generator=g)
+        noise = uniform_noise(counter_hash(5, torch.zeros(64, dtype=torch.int64), torch.arange(64), 2, width))
+        x[1] = 3.0  # constant: scale 0
+        x[2, :] = x[2].abs()
+        x[2, 0], x[2, -1] = 0.0, -0.0  # min is a zero of either sign
+        x[3, :] = -x[3].abs()
+        x[3, 0], x[3, -1] = -0.0, 0.0  # max is a zero
+        x[4, 0] = float("nan")
+        x[5, -1] = float("inf")
+        x[6, 0] = float("-inf")
+        x[7, :] = 0.0
+        x[7, width // 2] = -0.0
+        got = quantize_rows(x, bits, rounding, noise)
+        want = _quantize_as_before(x, bits, rounding, noise)
+        assert torch.equal(got[0], want[0]), (width, "codes")
+        assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), (width, "scale/bias bits")
+        finite = x[8:]  # only finite rows: int4's fp32 packing
+        got = quantize_rows(finite, bits, rounding, noise[8:])
+        want = _quantize_as_before(finite, bits, rounding, noise[8:])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
 
 
 def test_quantizing_rows_alone_or_together_gives_the_same_bits():
@@ -235,7 +331,8 @@ def test_memory_is_measured_from_allocated_tensors(precision, row_bytes):
 def test_a_store_keys_its_writes_where_the_ids_are_never_copying_them_to_the_host():
     """A device-resident low-precision store (the store of a cache on the GPU)
     computes the rounding key of every write: with ids.cpu() that was a device
-    sync per write. The key is the same as the table/row arithmetic on the host."""
+    sync per write. The key is the same as the table/row arithmetic on the host.
+    (On the CPU the hashes are computed in numpy on views of the tensors.)"""
     from torch.overrides import TorchFunctionMode
 
     from recsys_cli.embeddings.store import RowStore
@@ -248,7 +345,9 @@ def test_a_store_keys_its_writes_where_the_ids_are_never_copying_them_to_the_hos
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
             to_device = name == "to" and any(isinstance(a, (str, torch.device)) for a in (*args[1:], *(kwargs or {}).values()))
-            if name in ("cpu", "cuda", "tolist", "item", "numpy") or to_device:
+            # numpy() of a CPU tensor is a view, no copy (the CPU's hashes run in numpy)
+            on_host = name == "numpy" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
+            if name in ("cpu", "cuda", "tolist", "item", "numpy") and not on_host or to_device:
                 self.moves.append(name)
             return func(*args, **(kwargs or {}))
 

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 DIR_PREFIX = "recsys-disk-"  # a live store's own directory under placement.disk_path
 OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
-BUILD_ELEMENTS = 1 << 16  # values initialised per piece (table_init.py: temporaries that stay in cache)
+BUILD_ELEMENTS = 1 << 16  # values encoded and written per piece (build_initial_rows): temporaries that stay in L2
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
 # Disk reads in flight (_pread_runs): a read whose first PROBE_RUNS runs took
 # SLOW_READ_SECONDS or more each came from the disk, not the page cache (a

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from recsys_cli.embeddings.counter import MASK32, fmix32, fmix32_int32_
+from recsys_cli.embeddings.counter import MASK32, fmix32, fmix32_int32_, fmix32_uint32_
 
 # Steps used as keys by writes that are not a training step's.
 INIT_STEP = -1  # the table's first quantization
@@ -46,10 +47,13 @@ def counter_hash(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.
 def counter_hash_bits(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.Tensor | int,
                       width: int) -> torch.Tensor:
     """counter_hash's hashes as int32 bit patterns [n, width] (what stochastic
-    rounding reads: uniform_noise, round_to_fp16 mask them). The per-row
-    part is hashed in int64 (n values); the per-element part, width times
-    more, in int32 (counter.fmix32_int32_)."""
+    rounding reads: uniform_noise, round_to_fp16 mask them). On the CPU in
+    numpy uint32 (_cpu_hash_bits); elsewhere the per-row part in int64 (n
+    values) and the per-element part, width times more, in int32
+    (counter.fmix32_int32_). The same bits either way (tests/test_precision.py)."""
     device = row.device
+    if device.type == "cpu":
+        return _cpu_hash_bits(seed, table, row, step, width)
     step = torch.as_tensor(step, dtype=torch.int64, device=device).expand(row.shape)
     h = torch.full(row.shape, seed & MASK32, dtype=torch.int64, device=device)
     for word in (table & MASK32, row & MASK32, row >> 32, step & MASK32):
@@ -60,8 +64,51 @@ def counter_hash_bits(seed: int, table: torch.Tensor, row: torch.Tensor, step: t
     return fmix32_int32_(fmix32_int32_(h32, scratch), scratch)
 
 
+def _low32(t: torch.Tensor) -> np.ndarray:
+    """The low 32 bits of an int64 CPU tensor's values, as a numpy uint32 array."""
+    return t.to(torch.int32).contiguous().numpy().view(np.uint32)
+
+
+_KEY_CONSTANT = np.uint32(0x9E3779B9)
+
+
+def _cpu_hash_bits(seed: int, table: torch.Tensor, row: torch.Tensor, step: torch.Tensor | int,
+                   width: int) -> torch.Tensor:
+    """counter_hash_bits on the CPU: every round in numpy uint32
+    (counter.fmix32_uint32_), about 3x the int32 torch ops' rate in a table
+    build (where the per-row rounds, ~70 small int64 torch ops, cost as much
+    as the per-element ones)."""
+    n = row.shape[0]
+    steps = np.uint32(step & MASK32) if isinstance(step, int) else _low32(step.expand(row.shape))
+    h = np.full(n, seed & MASK32, dtype=np.uint32)
+    scratch = np.empty_like(h)
+    for word in (_low32(table), _low32(row), _low32(row >> 32), steps):
+        h ^= word
+        h ^= _KEY_CONSTANT  # keeps all-zero keys off fmix32's fixed point 0
+        fmix32_uint32_(h, scratch)
+    out = torch.empty((n, width), dtype=torch.int32)
+    x = out.numpy().view(np.uint32)
+    columns = np.arange(width, dtype=np.uint32)
+    # fmix32's first step, x ^ (x >> 16), on x = h ^ column: a column < 2**16
+    # leaves x >> 16 = h >> 16, so the step is taken once per row.
+    folded = width <= 1 << 16
+    if folded:
+        h ^= h >> 16
+    np.bitwise_xor(h[:, None], columns, out=x)
+    scratch = np.empty_like(x)
+    fmix32_uint32_(x, scratch, first_shift=not folded)
+    fmix32_uint32_(x, scratch)
+    return out
+
+
 def uniform_noise(hashes: torch.Tensor) -> torch.Tensor:
     """fp32 in [0, 1) from 32-bit hashes (int64 values or int32 patterns): their top 24 bits, exactly."""
+    if hashes.dtype == torch.int32 and hashes.device.type == "cpu" and hashes.is_contiguous():
+        # numpy: a logical shift, then the cast and the exact scaling in one pass
+        out = torch.empty(hashes.shape, dtype=torch.float32)
+        top = np.right_shift(hashes.numpy().view(np.uint32), 8)
+        np.multiply(top, np.float32(1.0 / (1 << 24)), out=out.numpy(), dtype=np.float32, casting="unsafe")
+        return out
     return ((hashes >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
@@ -80,12 +127,35 @@ class RoundingKey:
         return counter_hash_bits(self.seed, self.table, self.row, self.step, width)
 
 
-def _round(x: torch.Tensor, rounding: str, noise: torch.Tensor | None) -> torch.Tensor:
+def _round_(x: torch.Tensor, rounding: str, noise: torch.Tensor | None) -> torch.Tensor:
+    """x rounded to integers, in place."""
     if rounding == "nearest":
-        return torch.round(x)
+        return x.round_()
     if noise is None:  # one-off use (no training run's key): torch's global generator
         noise = torch.rand(x.shape, device=x.device, dtype=x.dtype)
-    return torch.floor(x + noise)
+    return x.add_(noise).floor_()
+
+
+def _row_extremes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's min and max ([n, 1] each), bit for bit rows.amin(1) and
+    rows.amax(1): a tree of elementwise minimum/maximum over halves of the
+    row (torch's reductions along a 128-value row ran at 4-7 ns a value in a
+    table build, the elementwise ops at about 0.1). Equal values are equal
+    whichever way they are found, except for which zero (-0.0 or 0.0) or
+    which NaN is picked: rows whose min or max is a zero or a NaN take
+    amin/amax's own answer (torch 2.13 picks as the tree does in the cases
+    tests/test_precision.py tries; the fallback keeps that a non-question)."""
+    lo = hi = rows
+    while lo.shape[1] > 1:
+        half = lo.shape[1] // 2  # an odd middle column is in both halves: min(x, x) = x
+        lo = torch.minimum(lo[:, : lo.shape[1] - half], lo[:, half:])
+        hi = torch.maximum(hi[:, : hi.shape[1] - half], hi[:, half:])
+    redo = ((lo == 0) | (hi == 0) | lo.isnan() | hi.isnan()).view(-1).nonzero().view(-1)
+    if redo.numel():
+        lo, hi = lo.clone(), hi.clone()
+        lo[redo] = rows[redo].amin(dim=1, keepdim=True)
+        hi[redo] = rows[redo].amax(dim=1, keepdim=True)
+    return lo, hi
 
 
 def _fp16_down(x: torch.Tensor) -> torch.Tensor:
@@ -102,17 +172,8 @@ def _fp16_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(too_small, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
-def quantize_rows(
-    rows: torch.Tensor, bits: int, rounding: str = "stochastic", noise: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [n, D] -> (codes uint8 [n, D] or [n, D/2] packed for 4 bits, scale_bias fp16 [n, 2]).
-
-    noise: uniform [0, 1) of rows' shape for stochastic rounding (see
-    RoundingKey); every row is quantized on its own, so quantizing rows one at
-    a time or all together gives the same bits."""
-    levels = (1 << bits) - 1
-    lo = rows.amin(dim=1, keepdim=True)
-    hi = rows.amax(dim=1, keepdim=True)
+def _grid(lo: torch.Tensor, hi: torch.Tensor, levels: int, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's fp16 (scale, bias) from its min and max ([n, 1] each)."""
     if rounding == "stochastic":
         # The grid must cover [lo, hi] exactly, or clamping would bias the ends.
         bias = _fp16_down(lo)
@@ -126,11 +187,39 @@ def quantize_rows(
         scale = ((hi - bias.float()) / levels).half()
         short = hi - (bias.float() + levels * scale.float())
         scale = torch.where(short > scale.float() / 2, _fp16_up((hi - bias.float()) / levels), scale)
+    return scale, bias
+
+
+def quantize_rows(
+    rows: torch.Tensor, bits: int, rounding: str = "stochastic", noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [n, D] -> (codes uint8 [n, D] or [n, D/2] packed for 4 bits, scale_bias fp16 [n, 2]).
+
+    noise: uniform [0, 1) of rows' shape for stochastic rounding (see
+    RoundingKey); every row is quantized on its own, so quantizing rows one at
+    a time or all together gives the same bits."""
+    levels = (1 << bits) - 1
+    on_cpu = rows.device.type == "cpu"  # elsewhere: no branch on a value (each would wait for the device)
+    if on_cpu and rows.shape[1]:
+        lo, hi = _row_extremes(rows)
+    else:
+        lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+    scale, bias = _grid(lo, hi, levels, rounding)
     scale_f = scale.float()
     # A constant row has scale 0: every code is 0 and the bias holds the value.
-    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    codes = _round((rows - bias.float()) / safe, rounding, noise).clamp_(0, levels)
-    codes = torch.where(scale_f > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+    # (One temporary, rounded and clamped in place: the same ops as out of place.)
+    positive = scale_f > 0
+    every_row = on_cpu and bool(positive.all())
+    safe = scale_f if every_row else torch.where(positive, scale_f, torch.ones_like(scale_f))
+    codes = _round_(torch.sub(rows, bias.float()).div_(safe), rounding, noise).clamp_(0, levels)
+    if not every_row:
+        codes.masked_fill_(~positive, 0)
+    if bits == 4 and every_row and bool(torch.isfinite(scale_f).all()):
+        # Every code is an integer in [0, 15] (a finite grid: no inf - inf):
+        # even + 16 * odd in fp32 is exactly even | odd << 4, and only half
+        # the values are converted to uint8.
+        return torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16).to(torch.uint8), torch.cat([scale, bias], dim=1)
+    codes = codes.to(torch.uint8)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return codes, torch.cat([scale, bias], dim=1)

@@ -82,32 +82,49 @@ def init_into(out: torch.Tensor, spec: TableSpec, row_start: int, seed: int) -> 
         raise ValueError(f"rows [{row_start}, {row_end}) outside table {spec.name} of {spec.num_rows} rows")
     if out.shape[1:] != (spec.dim,) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"init_into needs a CPU fp32 [n, {spec.dim}] tensor, got {out.dtype} {tuple(out.shape)}")
+    for row, last, gen, scale in _block_streams(spec, row_start, row_end, seed):
+        _draw(out[row - row_start : last - row_start], gen, scale)
+    return out
+
+
+def _block_streams(spec: TableSpec, row_start: int, row_end: int, seed: int):
+    """(row, last, generator, scale) for each init block that rows
+    [row_start, row_end) of `spec` touch: rows [row, last) of the spec come
+    next from the generator, which has drawn the block's rows before `row`."""
     keys = table_key(spec.name, seed)
     bound = torch.tensor(1.0 / math.sqrt(spec.whole_rows), dtype=torch.float32).item()
     scale = bound / (1 << 23)  # codes in [-2**23, 2**23): values exact in fp32, strictly inside the bound
-    codes = torch.empty(min(n, INIT_BLOCK_ROWS) * spec.dim, dtype=torch.int32)
     gen = torch.Generator()
-    piece = max(1, _SERIAL_ELEMENTS // spec.dim)
     # A shard's rows are rows of the whole table: blocks and streams count from the table's row 0.
-    out_start = row_start = row_start + spec.first_row
-    row_end = row_end + spec.first_row
-    row = row_start
+    row, row_end = row_start + spec.first_row, row_end + spec.first_row
     while row < row_end:
         block = row // INIT_BLOCK_ROWS
         first = block * INIT_BLOCK_ROWS
         last = min(row_end, first + INIT_BLOCK_ROWS)
         gen.manual_seed(_block_seed(keys, block))
-        skip = (row - first) * spec.dim  # the block's stream from its first row: draw the prefix, keep the end
-        if codes.numel() < (last - first) * spec.dim:
-            codes = torch.empty((last - first) * spec.dim, dtype=torch.int32)
-        drawn = codes[: (last - first) * spec.dim].random_(-(1 << 23), 1 << 23, generator=gen)
-        codes_rows = drawn[skip:].view(last - row, spec.dim)
-        for p in range(0, last - row, piece):  # pieces under torch's grain size: no OpenMP team per op
-            dest = out[row - out_start + p : min(last, row + p + piece) - out_start]
-            dest.copy_(codes_rows[p : p + dest.shape[0]])  # int32 -> fp32, exact (|code| <= 2**23)
-            dest.mul_(scale)  # (torch.mul(int32, s, out=fp32) takes a 25x slower casting loop)
+        _skip(gen, (row - first) * spec.dim)  # the block's stream from its first row: the rows before are drawn, unused
+        yield row - spec.first_row, last - spec.first_row, gen, scale
         row = last
-    return out
+
+
+def _draw(dest: torch.Tensor, gen: torch.Generator, scale: float) -> None:
+    """The next dest.numel() values of gen's stream into fp32 rows `dest`.
+
+    The codes go straight into the fp32 rows: a float random_(a, b) is
+    float(a + word % (b - a)) of one 32-bit word a value, the int32 draw's
+    code exactly (|code| <= 2**23), without an int32 buffer and its copy."""
+    dest.random_(-(1 << 23), 1 << 23, generator=gen)
+    piece = max(1, _SERIAL_ELEMENTS // max(1, dest.shape[1]))
+    for p in range(0, dest.shape[0], piece):  # pieces under torch's grain size: no OpenMP team per op
+        dest[p : p + piece].mul_(scale)
+
+
+def _skip(gen: torch.Generator, values: int) -> None:
+    """Advance gen past `values` draws of _draw (one 32-bit word each)."""
+    scratch = torch.empty(min(values, _SERIAL_ELEMENTS))
+    while values > 0:
+        scratch[: min(values, scratch.numel())].random_(-(1 << 23), 1 << 23, generator=gen)
+        values -= scratch.numel()
 
 
 def init_rows(spec: TableSpec, row_start: int, row_end: int, seed: int,
@@ -126,58 +143,72 @@ def init_table(spec: TableSpec, seed: int) -> torch.Tensor:
     return init_rows(spec, 0, spec.num_rows, seed)
 
 
-# Rows built at a time: one chunk of fp32 values (4 MiB) and the quantizer's
-# temporaries are all a build holds beyond the table itself.
+# Rows handed to a write at a time: one piece of fp32 values (at most 4 MiB)
+# and the quantizer's temporaries are all a build thread holds beyond the
+# table itself.
 CHUNK_ELEMENTS = 1 << 20
 
 
 def build_initial_rows(specs: list[TableSpec], seed: int, write, chunk_rows: int | None = None, into=None,
                        workers: int = 1) -> None:
-    """Build tables `specs`, fused in order, chunk by chunk, straight into
-    their destination: the initial fp32 rows of fused rows [start, start + n)
-    go to write(start, rows) (rows: a CPU fp32 [n, dim] buffer reused for the
-    next chunk: copy or encode it before returning). into(start, end), if
+    """Build tables `specs`, fused in order, straight into their destination:
+    the initial fp32 rows of fused rows [start, start + n) go to
+    write(start, rows) (rows: a CPU fp32 [n, dim] buffer reused for the next
+    piece: copy or encode it before returning), n <= chunk_rows (default
+    CHUNK_ELEMENTS // dim) and never past an init block. into(start, end), if
     given, may instead return a CPU fp32 view of the destination to fill in
     place (an fp32 host table), or None. The values do not depend on
-    chunk_rows (default CHUNK_ELEMENTS // dim) nor on `workers`; a chunk never
-    spans two tables. A store in any precision and location
+    chunk_rows nor on `workers`. A store in any precision and location
     (RowStore.write_initial), or a file on disk, is built this way.
 
-    workers > 1 builds chunks on that many threads at once (write and into
-    are then called concurrently, for disjoint rows). Every torch op of the
-    build runs on one intra-op thread: the ops are small and many, and an
-    OpenMP team per op on a loaded machine spins and waits for its slowest
-    member (measured: 26x the CPU time of one thread with two of them)."""
+    The unit of work is one init block of a table (INIT_BLOCK_ROWS rows of
+    the whole table), its stream drawn once, in order, piece after piece: a
+    piece that started its block's stream again drew the rows before it too
+    (chunks of 512 rows drew 4.5x the values they kept, the largest cost of
+    a disk build). workers > 1 builds blocks on that many threads at once
+    (write and into are then called concurrently, for disjoint rows). Every
+    torch op of the build runs on one intra-op thread: the ops are small and
+    many, and an OpenMP team per op on a loaded machine spins and waits for
+    its slowest member (measured: 26x the CPU time of one thread with two of
+    them)."""
     if not specs:
         return
     dim = specs[0].dim
-    chunk_rows = chunk_rows or max(1, CHUNK_ELEMENTS // dim)
-    chunks = []
+    piece_rows = max(1, min(chunk_rows or CHUNK_ELEMENTS // dim, INIT_BLOCK_ROWS))
+    blocks = []
     start = 0
     for spec in specs:
-        chunks += [(spec, start, lo, min(spec.num_rows, lo + chunk_rows)) for lo in range(0, spec.num_rows, chunk_rows)]
+        lo = 0
+        while lo < spec.num_rows:  # block boundaries of the whole table, in the spec's rows
+            hi = min(spec.num_rows, ((spec.first_row + lo) // INIT_BLOCK_ROWS + 1) * INIT_BLOCK_ROWS - spec.first_row)
+            blocks.append((spec, start, lo, hi))
+            lo = hi
         start += spec.num_rows
     local = threading.local()
 
-    def build(chunk) -> None:
-        spec, start, lo, hi = chunk
+    def build(block) -> None:
+        spec, start, lo, hi = block
         view = into(start + lo, start + hi) if into is not None else None
         if view is not None:
             init_into(view, spec, lo, seed)
             return
         if getattr(local, "buffer", None) is None:
-            local.buffer = torch.empty(chunk_rows, dim)
-        write(start + lo, init_into(local.buffer[: hi - lo], spec, lo, seed))
+            local.buffer = torch.empty(piece_rows, dim)
+        ((_, _, gen, scale),) = _block_streams(spec, lo, hi, seed)
+        for row in range(lo, hi, piece_rows):
+            rows = local.buffer[: min(hi, row + piece_rows) - row]
+            _draw(rows, gen, scale)
+            write(start + row, rows)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if workers <= 1 or len(chunks) == 1:
-            for chunk in chunks:
-                build(chunk)
+        if workers <= 1 or len(blocks) == 1:
+            for block in blocks:
+                build(block)
         else:
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                for done in pool.map(build, chunks):  # re-raises a chunk's error
+                for done in pool.map(build, blocks):  # re-raises a block's error
                     del done
     finally:
         torch.set_num_threads(threads)

@@ -51,11 +51,10 @@ How it runs (one concept a module): one thread reads (and gunzips) blocks of
 (data_tools/criteo_input.py); parsing, the vectorised checks and hex decoding
 are data_tools/criteo_text.py; with workers > 1 that runs in worker processes
 (data_tools/criteo_workers.py), each block handed over in shared memory
-(data_tools/block_slots.py). Each block's values are counted where it is
-parsed (its distinct values and their counts); the main thread (this module:
-the passes) adds those counts into vectorised open-addressing hash tables
-(data_tools/u32map.py, one per feature, uint32 keys), so memory grows with
-the number of distinct values, not with rows. With spill=true (default) pass 1 also writes the parsed
+(data_tools/block_slots.py). The main thread (this module: the passes)
+counts values in vectorised open-addressing hash tables (data_tools/u32map.py,
+one per feature, uint32 keys), so memory grows with the number of distinct
+values, not with rows. With spill=true (default) pass 1 also writes the parsed
 rows, with each value replaced by its first-seen index, to an Arrow file
 inside the temporary output directory (about 160 bytes a row); pass 2 maps
 those indices to ids with one array lookup and writes the shards, without

@@ -88,33 +88,32 @@ def vocabulary_mode(cfg: CriteoConfig, reader: BlockReader, paths, tmp: Path, pr
     spill = None
     try:
         for ch in parsed_blocks(_job(cfg, paths, want_dense=cfg.spill), _workers(cfg, paths)):
-            d, distinct = ch.decoded, ch.distinct
-            assert d is not None and distinct is not None
+            d = ch.decoded
+            assert d is not None
             if cfg.spill and spill is None and d.rows:
                 _check_spill_space(tmp, d.rows / max(ch.bytes_read, 1) * progress.total)
             if counter is not None:
-                for f, dv in enumerate(distinct):
-                    counter.count(f, dv.keys, dv.counts)
+                for f in range(NUM_SPARSE):
+                    counter.count(f, d.values[f])
                 counter.maybe_flush()
                 if cfg.spill and d.rows:
                     # raw values, null where missing: pass 2 maps them with the saved vocabulary
-                    batch = _spill_batch(d, [_raw_column(d.present[f], dv.keys[dv.inverse])
-                                             for f, dv in enumerate(distinct)], label_type)
+                    batch = _spill_batch(d, [_raw_column(d.present[f], d.values[f]) for f in range(NUM_SPARSE)],
+                                         label_type)
                     if spill is None:
                         spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
                     spill.write_batch(batch)
             elif cfg.spill:
                 # 0 = missing, i + 1 = the value first seen i-th
-                cols = [pa.array(scatter(d.present[f], (maps[f].count(dv.keys, dv.counts) + 1)[dv.inverse]))
-                        for f, dv in enumerate(distinct)]
+                cols = [pa.array(scatter(d.present[f], maps[f].count(d.values[f]) + 1)) for f in range(NUM_SPARSE)]
                 if d.rows:
                     batch = _spill_batch(d, cols, label_type)
                     if spill is None:
                         spill = pa.ipc.new_stream(pa.OSFile(str(spill_path), "wb"), batch.schema)
                     spill.write_batch(batch)
             else:
-                for f, dv in enumerate(distinct):
-                    maps[f].count(dv.keys, dv.counts)
+                for f in range(NUM_SPARSE):
+                    maps[f].count(d.values[f])
             total += d.rows
             file_rows[ch.file_index] += d.rows
             skipped += ch.skipped

@@ -73,23 +73,6 @@ class BlockResult:
     decoded: DecodedBlock | None = None  # a job without an encoding
     table: pa.Table | None = None  # a job with one: the rows in the shard schema
     unseen: np.ndarray | None = None  # per feature, present values mapped to 0
-    distinct: list[DistinctValues] | None = None  # a job without an encoding: per feature, its values counted
-
-
-@dataclass
-class DistinctValues:
-    """One feature's present values in a block, counted where the block is
-    parsed (in parallel), so that the count pass's serial step, U32Map.count,
-    looks up each distinct value of a block once instead of every value."""
-
-    keys: np.ndarray  # uint32, sorted, unique
-    counts: np.ndarray  # int64, occurrences of each key
-    inverse: np.ndarray  # int32: keys[inverse] are the present values in row order
-
-
-def distinct_values(values: np.ndarray) -> DistinctValues:
-    keys, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    return DistinctValues(keys, counts.astype(np.int64, copy=False), inverse.astype(np.int32))
 
 
 def default_workers() -> int:
@@ -154,8 +137,6 @@ class _BlockWork:
                              self.reader.first_skipped)
         if self.job.encoding is None:
             d.dense_raw = None  # the passes use the transformed dense values: not copied back from a worker
-            result.distinct = [distinct_values(v) for v in d.values]
-            d.values = []  # they are keys[inverse] of `distinct`: not copied back twice
             result.decoded = d
         else:
             assert self.vocabulary is not None and self.schema is not None

@@ -48,9 +48,8 @@ class SpilledCounts:
         self.flushes = 0
         self.files: list = []
 
-    def count(self, f: int, values: np.ndarray, counts: np.ndarray | None = None) -> None:
-        """U32Map.count's: one each of `values`, or counts[i] of the unique values[i]."""
-        self.maps[f].count(values, counts)
+    def count(self, f: int, values: np.ndarray) -> None:
+        self.maps[f].count(values)
 
     def nbytes(self) -> int:
         return sum(m.slots.nbytes + m.vals.nbytes for m in self.maps)

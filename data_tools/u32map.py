@@ -136,9 +136,8 @@ class U32Map:
         self._grow_for(len(keys))
         self._place(np.asarray(keys, dtype=np.uint32), vals)
 
-    def count(self, v: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray | None:
-        """Add one to the value of each key in v (keys are added as needed),
-        or, given `counts`, counts[i] to the value of key v[i] (v unique);
+    def count(self, v: np.ndarray) -> np.ndarray | None:
+        """Add one to the value of each key in v (keys are added as needed);
         with track_order, returns each key's insertion index."""
         if not len(v):
             return np.zeros(0, np.int32) if self.order is not None else None
@@ -153,9 +152,7 @@ class U32Map:
                 slots = self.find(v)
             else:
                 slots[missing] = self.find(v[missing])
-        if counts is not None:
-            self.vals[slots] += counts.astype(self.vals.dtype, copy=False)  # unique keys: no slot twice
-        elif self.cap <= 8 * len(v):
+        if self.cap <= 8 * len(v):
             self.vals += np.bincount(slots, minlength=self.cap).astype(self.vals.dtype, copy=False)
         else:
             np.add.at(self.vals, slots, 1)

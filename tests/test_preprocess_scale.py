@@ -142,24 +142,6 @@ def test_spilled_counts_equal_a_counter():
         assert np.array_equal(got[order], want_counts[keep])
 
 
-def test_counting_a_blocks_distinct_values_equals_counting_every_value():
-    from data_tools.criteo_workers import distinct_values
-
-    rng = np.random.default_rng(1)
-    every, distinct = U32Map(track_order=True), U32Map(track_order=True)
-    for _ in range(5):  # blocks: later ones repeat values of earlier ones and grow the maps
-        v = (rng.zipf(1.2, 4000) * 2654435761 % 2**32).astype(np.uint32)
-        dv = distinct_values(v)
-        assert np.array_equal(dv.keys[dv.inverse], v)
-        order = distinct.count(dv.keys, dv.counts)
-        every.count(np.sort(v))  # in key order, as the distinct keys arrive
-        assert np.array_equal(order[dv.inverse], every.order[every.find(v)])
-    ka, ca, oa = every.items_order()
-    kb, cb, ob = distinct.items_order()
-    a, b = np.argsort(ka), np.argsort(kb)
-    assert np.array_equal(ka[a], kb[b]) and np.array_equal(ca[a], cb[b]) and np.array_equal(oa[a], ob[b])
-
-
 @pytest.mark.parametrize("spill", [True, False])
 def test_bounded_count_gives_the_in_memory_ids(tmp_path, days, monkeypatch, spill):
     inputs = [str(p) for p in days]

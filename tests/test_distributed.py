@@ -514,8 +514,10 @@ def test_a_worker_stopped_after_training_is_killed_once_the_teardown_bound_passe
     assert time.perf_counter() - start < HANG_S
 
 
-def _workers(parent: int) -> list[int]:
-    """pids of the elastic launcher's workers (spawned children) under `parent`."""
+def workers_of(parent: int, marker: bytes = b"spawn_main") -> list[int]:
+    """pids of the children of `parent` whose command line holds `marker`: by
+    default the elastic launcher's spawned workers; a torchrun agent's are its
+    `-m recsys_cli` children (tests/test_multinode.py)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -525,7 +527,7 @@ def _workers(parent: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"spawn_main" in cmdline:
+        if ppid == parent and marker in cmdline:
             found.append(int(entry.name))
     return found
 
@@ -555,7 +557,7 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
         deadline = time.time() + HANG_S  # training has begun: its first log step
         while time.time() < deadline and not (metrics.exists() and metrics.read_text()) and proc.poll() is None:
             time.sleep(0.1)
-        workers = _workers(proc.pid)
+        workers = workers_of(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[-1], signal.SIGKILL)
         killed_at = time.time()
@@ -619,7 +621,7 @@ def _stop_a_worker_when(tmp_path: Path, run: str, ready, extra: list[str]) -> tu
         deadline = time.time() + HANG_S
         while time.time() < deadline and not ready(tmp_path / run) and proc.poll() is None:
             time.sleep(0.05)
-        workers = _workers(proc.pid)
+        workers = workers_of(proc.pid)
         assert len(workers) == 2, workers
         stopped = workers[-1]
         os.kill(stopped, signal.SIGSTOP)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for run in args.run or ["hash_buckets=40000000"]:
         options = {"split_by": "terabyte", "workers": args.workers, **_options(run)}
         if isinstance(options.get("memory_budget"), str):
-            from recsys_cli.embeddings.placement_search import parse_bytes
+            from recsys_cli.embeddings.placement_bytes import parse_bytes
 
             options["memory_budget"] = parse_bytes(options["memory_budget"], "memory_budget")
         bare = _child(_BARE, paths)

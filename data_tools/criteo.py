@@ -49,7 +49,9 @@ Hex digits may be upper or lower case.
 How it runs (one concept a module): one thread reads (and gunzips) blocks of
 `block_size` bytes cut at line ends and another parses them
 (data_tools/criteo_input.py); parsing, the vectorised checks and hex decoding
-are data_tools/criteo_text.py; the main thread (this module: the passes)
+are data_tools/criteo_text.py; with workers > 1 that runs in worker processes
+(data_tools/criteo_workers.py), each block handed over in shared memory
+(data_tools/block_slots.py). The main thread (this module: the passes)
 counts values in vectorised open-addressing hash tables (data_tools/u32map.py,
 one per feature, uint32 keys), so memory grows with the number of distinct
 values, not with rows. With spill=true (default) pass 1 also writes the parsed

@@ -47,7 +47,9 @@ class BlockSlots:
         if n > self.size or not self.free:
             return None
         slot = self.free.pop()
-        self.memory[slot].buf[:n] = data
+        buf = self.memory[slot].buf
+        assert buf is not None  # None only after close()
+        buf[:n] = data
         return slot
 
     def release(self, slot: int | None) -> None:
@@ -68,4 +70,6 @@ class AttachedSlots:
         self.memory = [SharedMemory(name=n) for n in names]
 
     def read(self, slot: int, nbytes: int) -> bytes:
-        return bytes(self.memory[slot].buf[:nbytes])
+        buf = self.memory[slot].buf
+        assert buf is not None  # None only after close()
+        return bytes(buf[:nbytes])

@@ -150,11 +150,14 @@ def _row_extremes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         half = lo.shape[1] // 2  # an odd middle column is in both halves: min(x, x) = x
         lo = torch.minimum(lo[:, : lo.shape[1] - half], lo[:, half:])
         hi = torch.maximum(hi[:, : hi.shape[1] - half], hi[:, half:])
-    redo = ((lo == 0) | (hi == 0) | lo.isnan() | hi.isnan()).view(-1).nonzero().view(-1)
-    if redo.numel():
-        lo, hi = lo.clone(), hi.clone()
-        lo[redo] = rows[redo].amin(dim=1, keepdim=True)
-        hi[redo] = rows[redo].amax(dim=1, keepdim=True)
+    # A mask and torch.where, not the rows' indices (nonzero): the training
+    # step's write-backs quantize too, and its ops index with host-built
+    # tensors only (tests/test_cache_streams.py); the rare row with a zero or
+    # NaN extreme costs one amin/amax over the block.
+    redo = (lo == 0) | (hi == 0) | lo.isnan() | hi.isnan()
+    if bool(redo.any()):
+        lo = torch.where(redo, rows.amin(dim=1, keepdim=True), lo)
+        hi = torch.where(redo, rows.amax(dim=1, keepdim=True), hi)
     return lo, hi
 
 

@@ -82,6 +82,48 @@ def test_resume_from_delta_checkpoints_is_exact(tmp_path, monkeypatch, precision
         assert torch.equal(t, ref[2][name]), name
 
 
+def test_a_resume_into_a_freshly_built_table_replays_only_the_changed_rows(tmp_path, monkeypatch):
+    """A chain based on the initial rows, loaded into a store that still holds
+    them (a resume), writes the deltas' rows and no others: the table is not
+    built a second time. A store that trained first gets every row back.
+    Both equal the saved tables."""
+    from recsys_cli.embeddings import disk_checkpoint
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+
+    monkeypatch.setattr(disk_checkpoint, "COMPACT_FRACTION", 100.0)  # these small tables would get a new base
+    disk = {**DISK, "disk_path": str(tmp_path / "live")}
+    model, opt = build(disk, optimizer="adagrad")
+    train(BATCHES[:10], model, opt)
+    save_checkpoint(tmp_path / "ck", 10, model_state(model, opt, 10))
+    ref = tables_fp32(model.embeddings)
+    path = find_checkpoint(tmp_path / "ck")
+    saved = load_checkpoint(path)["tables"]
+    changed = sum(d["rows"] for t in saved.values() for d in t["disk"]["deltas"])
+    assert all(t["disk"]["base"] is None for t in saved.values()) and changed > 0
+
+    written = []
+    real = DiskRowStore._write_file
+
+    def counting(store, rows, records):
+        written.append(rows.numel())
+        return real(store, rows, records)
+
+    monkeypatch.setattr(DiskRowStore, "_write_file", counting)
+    total = sum(t["disk"]["rows"] for t in saved.values())
+    for trained_first in (False, True):
+        fresh, fresh_opt = build(disk, optimizer="adagrad")
+        if trained_first:
+            train(BATCHES[:3], fresh, fresh_opt)
+        written.clear()
+        load_into(fresh, fresh_opt, path)
+        if trained_first:  # the tables it trained get their base back, whole
+            assert changed < sum(written) <= changed + total
+        else:
+            assert sum(written) == changed
+        for name, t in tables_fp32(fresh.embeddings).items():
+            assert torch.equal(t, ref[name]), name
+
+
 def test_checkpoint_bytes_grow_with_the_rows_changed(tmp_path, monkeypatch):
     """Tables of 50,000 rows trained two steps: the second checkpoint holds
     only rows changed since the first, not the tables."""

@@ -288,8 +288,13 @@ def load_disk_table(store, table: int, saved) -> None:
         chain = {k: layout[k] for k in ("base", "deltas", "delta_rows")}
         chain["sums"] = dict(layout.get("sums", {}))
         chain["root"] = str(Path(saved["directory"]).resolve())
-        chunks = [((torch.arange(a, a + rec.shape[0]), rec) for a, rec in _base(saved, store.codec)),
-                  _deltas(saved)]
+        # A chain based on the initial rows, into a table that still holds
+        # them (a resume's freshly built store): the deltas alone. Rebuilding
+        # the base there would build the table a second time, serially (at
+        # MLPerf DLRM-DCNv2's size, most of a resume's start-up).
+        base = [] if layout["base"] is None and store.holds_initial_rows(table) else (
+            (torch.arange(a, a + rec.shape[0]), rec) for a, rec in _base(saved, store.codec))
+        chunks = [base, _deltas(saved)]
         store.replace_table(table, itertools.chain.from_iterable(chunks), chain)
         return
     # Another placement, precision or layout: through native tensors (the table whole);

@@ -151,6 +151,9 @@ class DiskRowStore:
         self._taken: list[torch.Tensor | None] = [None] * len(tables)
         self._open(directory)
         self._build()
+        # Per table: the file still holds the rows the build wrote (a resume
+        # from a chain whose base is the initial rows replays its deltas only).
+        self._as_built = [True] * len(tables)
 
     # --- the file ------------------------------------------------------------
     def _open(self, directory: str | None) -> None:
@@ -429,6 +432,7 @@ class DiskRowStore:
         else:
             table = torch.searchsorted(self._table_start, ids, right=True) - 1
         for t in torch.unique(table).tolist():
+            self._as_built[t] = False
             local = ids[table == t] - self._table_start[t]
             lst = self._changed[t]
             lst.append(local)
@@ -547,15 +551,22 @@ class DiskRowStore:
             records, inverse, *_ = self._records(local + self._table_start[table])
             return records[inverse]
 
+    def holds_initial_rows(self, table: int) -> bool:
+        """Whether `table` holds the rows its build wrote: no write and no
+        replace since."""
+        return self._as_built[table]
+
     def replace_table(self, table: int, chunks, chain: dict | None) -> None:
-        """Overwrite `table` with the (local ids, records) chunks (every row
-        once), forgetting its host-cached rows; its next save continues from
-        `chain` (None: writes a new base) with no rows changed."""
+        """Overwrite rows of `table` with the (local ids, records) chunks
+        (later chunks win; rows no chunk names keep what the file holds),
+        forgetting its host-cached rows; its next save continues from `chain`
+        (None: writes a new base) with no rows changed."""
         lo = int(self._table_start[table])
         with self.lock:
             self._drop(lo, lo + self.tables[table].num_rows)
             for local, records in chunks:
                 self._write_file(local + lo, records)
+            self._as_built[table] = False
             self._chain[table] = chain
             self._changed[table], self._taken[table] = [], None
 

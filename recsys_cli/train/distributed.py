@@ -531,32 +531,18 @@ def mark(what: str) -> None:
 
 def exit_without_finalizing() -> None:
     """In a worker of `launch` whose entrypoint has returned: once the
-    process exits, run its exit handlers (logging's flush, weakref
-    finalizers, temporary folders: atexit's whole list, in its order), flush
-    stdout and stderr and end it with status 0, skipping the interpreter's
-    finalization, which only frees memory: garbage collections over every
-    module torch and its compiler stack loaded, about 2 s of CPU a worker on
-    a 2-core machine, during which the launcher (and `recsys train
-    trainer.nproc=N`) waits. Call it only after the entrypoint's work is done
-    and its files are closed; a failed worker exits as before."""
-    import atexit
+    process exits, skip the interpreter's finalization (recsys_cli/fast_exit.py:
+    ~2 s of CPU a worker on a 2-core machine, during which the launcher, and
+    `recsys train trainer.nproc=N`, waits). Call it only after the
+    entrypoint's work is done and its files are closed; a failed worker, and
+    a process that is not a spawned worker, exits as before."""
     import multiprocessing
-    import sys
 
-    if multiprocessing.parent_process() is None:  # not a spawned worker (a test calling the entrypoint): exit as usual
+    from recsys_cli.fast_exit import exit_without_finalizing as leave_fast
+
+    if multiprocessing.parent_process() is None:  # not a spawned worker (a test calling the entrypoint)
         return
-
-    def leave() -> None:
-        atexit.unregister(leave)
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # closed or gone: nothing left to say
-                pass
-        os._exit(0)
-
-    atexit.register(leave)
+    leave_fast()
 
 
 class _TeardownWatch:

@@ -102,7 +102,8 @@ gpu-env:
 gpu-check: gpu-env
 	$(GPU_VENV)/bin/python -m bench.gpu_check $(ARGS)
 
-# The same check with every stage on CPU at tiny sizes (tests/test_gpu_env.py runs it).
+# The same check with every stage on CPU at tiny sizes (tests/test_gpu_env.py runs it:
+# two stages in `make test`, every stage in `make verify`).
 gpu-check-dry: gpu-env
 	$(GPU_VENV)/bin/python -m bench.gpu_check --dry $(ARGS)
 

@@ -22,13 +22,17 @@ from test_gpu_check import assert_every_stage_passed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_every_stage(tmp_path):
+def make_gpu_check_dry(tmp_path, stages: list[str] | None) -> dict:
+    """`make gpu-check-dry` (of `stages`, or every stage) into a new venv from
+    this test's Python, offline; then `make gpu-env` again finds it up to date.
+    The report."""
     venv, out = tmp_path / "venv-gpu", tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MAKE"))}
     env["PIP_INDEX_URL"] = "http://127.0.0.1:9/none"  # stripped by gpu_env; were it used, pip would fail
+    only = f" --stages {','.join(stages)}" if stages else ""
     command = ["make", "-s", "gpu-check-dry", f"PYTHON={sys.executable}", f"GPU_VENV={venv}",
                f"WHEELS={tmp_path / 'no-wheels'}",
-               f"ARGS=--out {out} --cache-dir {tmp_path / 'cache'}"]
+               f"ARGS=--out {out} --cache-dir {tmp_path / 'cache'}{only}"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"gpu-env: torch {torch.__version__}" in done.stdout and "ok (needs >= 2.11)" in done.stdout
@@ -39,11 +43,25 @@ def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_every_st
     assert Path(probe.stdout.strip()).resolve() == Path(torch.__file__).resolve()
     stamp = json.loads((venv / gpu_env.STAMP).read_text())
     assert stamp["torch"] == torch.__version__ and stamp["python"] == str(Path(sys.executable).absolute())
-    report = assert_every_stage_passed(out)  # the whole dry check, every stage on CPU
+    report = assert_every_stage_passed(out, stages)
     assert report["python"] == str(venv / "bin" / "python")  # the check ran in the new venv
     again = subprocess.run(command[:2] + ["gpu-env", *command[3:6]], capture_output=True, text=True, cwd=ROOT,
                            env=env)
     assert again.returncode == 0 and "is up to date" in again.stdout, again.stdout + again.stderr
+    return report
+
+
+def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_the_check_there(tmp_path):
+    """The install, and the check in the new venv through its tests stage
+    (pytest and the test files, run by that venv's Python) and the sharded
+    one (gloo). Every other stage passes in tests/test_gpu_check.py; every
+    stage in the new venv: the `make verify` test below."""
+    make_gpu_check_dry(tmp_path, ["tests", "sharded"])
+
+
+@pytest.mark.verify  # ~55 s: each of the 12 stages starts a process that imports torch
+def test_make_gpu_check_dry_installs_offline_into_its_own_venv_and_runs_every_stage(tmp_path):
+    make_gpu_check_dry(tmp_path, None)
 
 
 def _stamp(monkeypatch, tmp_path, version="2.13.0+cpu", executable=None):

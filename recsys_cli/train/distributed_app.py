@@ -18,8 +18,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from recsys_cli.errors import UserError, error_line, say
 from recsys_cli.train.preemption import EXIT_STATUS, Preempted, say_preempted
-from recsys_cli.train.distributed import (PeerTimeout, TeardownHung, WorkerFailed, broadcast_object, init, launch,
-                                          launched_by_agent, mark, peer_timeout, teardown, timed_out)
+from recsys_cli.train.distributed import (PeerTimeout, TeardownHung, WorkerFailed, broadcast_object,
+                                          exit_without_finalizing, init, launch, launched_by_agent, mark,
+                                          peer_timeout, teardown, timed_out)
 
 
 def train(cfg, run_dir: Path | None) -> dict:
@@ -83,6 +84,7 @@ def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | No
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
     summary = train(cfg, Path(run_dir) if run_dir else None)
     mark("done")  # torn down: the launcher waits for this rank's return value, not for a hung rank
+    exit_without_finalizing()  # the return value goes to the launcher, then the process ends ~2 s sooner
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 

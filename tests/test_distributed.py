@@ -20,7 +20,6 @@ import pytest
 import train_config
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from recsys_cli.config import TrainConfig
 from recsys_cli.errors import UserError
@@ -108,36 +107,6 @@ def trains_then_stops(stop_rank: int) -> int:
         os.kill(os.getpid(), signal.SIGSTOP)
     distributed.mark("done")
     return 0
-
-
-TAKEN = ("The server socket has failed to listen on any local network address. port: 41843, useIpv6: false, "
-         "code: -98, name: EADDRINUSE, message: address already in use")  # torch's words, seen in a loaded suite
-
-
-@record
-def port_taken_once(tries: str, after_start: bool) -> int:
-    """A worker whose first start finds its store's port taken (before it
-    joined the group, as init raises it; or, after_start, once it had);
-    returns the start it is in."""
-    Path(tries).mkdir(exist_ok=True)
-    path = Path(tries) / f"rank{os.environ['RANK']}"
-    n = int(path.read_text()) + 1 if path.exists() else 1
-    path.write_text(str(n))
-    if after_start:
-        distributed.mark("started")
-    if n == 1:
-        raise torch.distributed.DistNetworkError(TAKEN)
-    distributed.mark("started")
-    return n
-
-
-def test_a_start_whose_port_was_taken_is_tried_again_on_new_ports(tmp_path):
-    """The free port a launch chose was taken before its store bound it: the
-    start is tried again, on new ports. A run that had started is not."""
-    assert distributed.launch(port_taken_once, 1, str(tmp_path / "a"), False) == {0: 2}
-    with pytest.raises(distributed.WorkerFailed, match="EADDRINUSE"):
-        distributed.launch(port_taken_once, 1, str(tmp_path / "b"), True)
-    assert (tmp_path / "b" / "rank0").read_text() == "1"
 
 
 def plain(cfg) -> dict:

@@ -597,30 +597,6 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
     importable by name (workers are spawned) and should call `init`. Workers
     that `mark` "started" and "trained" (the CLI's) have teardown_s to exit
     once one has trained, then are killed: TeardownHung names them."""
-    for attempt in range(1, START_ATTEMPTS + 1):
-        try:
-            return _launch_once(entrypoint, nproc, args, monitor_interval, teardown_s)
-        except _PortTaken as taken:
-            if attempt == START_ATTEMPTS:
-                raise taken.failure from None
-    raise AssertionError("unreachable")
-
-
-# A launch's ports are chosen free (bind to port 0) and bound by the store a
-# moment later; in that moment another process's connection can take one
-# (seen under a loaded test suite: EADDRINUSE in a worker's init). Such a
-# start, before any worker joined its process group, is tried again on new
-# ports; nothing of the run has happened yet.
-START_ATTEMPTS = 3
-
-
-class _PortTaken(Exception):
-    def __init__(self, failure: "WorkerFailed") -> None:
-        self.failure = failure
-
-
-def _launch_once(entrypoint: Callable, nproc: int, args: tuple, monitor_interval: float,
-                 teardown_s: float) -> dict[int, Any]:
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(nproc, monitor_interval)
@@ -643,11 +619,7 @@ def _launch_once(entrypoint: Callable, nproc: int, args: tuple, monitor_interval
     except ChildFailedError as e:
         if watch.hung:
             raise TeardownHung(watch.hung, teardown_s) from None
-        failure = WorkerFailed.from_child(e)
-        started = any(marks.glob("started-*"))
-        if not started and any("EADDRINUSE" in str(f.message) for f in e.failures.values()):
-            raise _PortTaken(failure) from None
-        raise failure from None
+        raise WorkerFailed.from_child(e) from None
     finally:
         watch.stop.set()
         watch.thread.join()

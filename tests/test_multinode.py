@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shlex
-import random
 import signal
 import socket
 import subprocess
@@ -57,21 +56,9 @@ WAIT_S = 600
 
 
 def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999): the agents
-    bind it a moment after this returns, and in that moment the suite's
-    other worker's processes take ephemeral ports for their own connections
-    ("address already in use" under load); a random one below it is only
-    ever taken on purpose."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def node_command(node: int, port: int, run_id: str, args: list[str]) -> list[str]:

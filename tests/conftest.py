@@ -42,6 +42,21 @@ def pytest_runtest_setup(item):
     torch.use_deterministic_algorithms(exact or determinism.requested())
 
 
+# torchrun's variables: a process that has all of them takes itself for a
+# rank (distributed.launched_by_agent). One test left them in its pytest
+# worker's environment, and the next `recsys train` started from that worker
+# bound their stale port and failed (clean-clone CI, 2026-12-05).
+AGENT_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _agent_variables_do_not_outlive_a_test(request):
+    before = {k: os.environ.get(k) for k in AGENT_VARIABLES}
+    yield
+    after = {k: os.environ.get(k) for k in AGENT_VARIABLES}
+    assert after == before, f"{request.node.nodeid} left torchrun's variables changed: {before} -> {after}"
+
+
 @pytest.fixture
 def one_compute_thread():
     """Score with one compute thread, as `recsys predict` and the trainer do on

@@ -81,9 +81,14 @@ def test_every_stage_but_tests_passes_the_dry_check(tmp_path, monkeypatch):
         return real_popen(command, *args, **kwargs)
 
     stages = [name for name in gpu_check.stage_names() if name != "tests"]
-    # the sharded stage sets its one-rank group's variables, as a child would in its own environment
+    # The sharded stage sets its one-rank group's variables, as a child would in
+    # its own environment. They must not outlive this test: a later `recsys
+    # train` from this worker saw RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT,
+    # took itself for a torchrun rank and failed to bind the stale port. (A
+    # delenv of an absent key records nothing to undo; a setenv first does.)
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setattr(gpu_check.subprocess, "Popen", popen)
     threads = torch.get_num_threads()
     out = tmp_path / "report"

@@ -59,9 +59,10 @@ chaos: setup
 	$(BIN)/python -m bench.chaos_soak $(ARGS)
 
 # The standard set of benchmarks (bench/README.md), each appending its rows to
-# BENCHMARKS.md: about 15 minutes on 2 idle cores (10 minutes of time shares,
-# each benchmark's rounds stopping when its share is spent, plus set-up: data,
-# tables, the predict benchmark's Kaggle-sized checkpoint). ARGS picks: `make bench ARGS=train`, `ARGS="threads --size
+# BENCHMARKS.md: about 7 minutes on 2 idle cores (6 min 59 s timed on
+# 2026-12-05: up to 10 minutes of time shares, each benchmark's rounds stopping
+# when its share is spent or its rounds are done, plus set-up: data, tables,
+# the predict benchmark's Kaggle-sized checkpoint). ARGS picks: `make bench ARGS=train`, `ARGS="threads --size
 # kaggle2048"`, `ARGS="train --size smoke"` (smoke sizes print, never record);
 # `ARGS=--list` lists the set, its sizes and time shares.
 bench: setup

@@ -76,7 +76,12 @@ if TYPE_CHECKING:
 DIR_PREFIX = "recsys-disk-"  # a live store's own directory under placement.disk_path
 OWNER = "owner.pid"
 PAGE_BYTES = 4096  # rows closer than a page apart are read in one run (read amplification < 2 per gap)
-BUILD_ELEMENTS = 1 << 16  # values encoded and written per piece (build_initial_rows): temporaries that stay in L2
+# Values encoded and written per piece of the build (build_initial_rows): one
+# init block at dim 128. A piece's ~100 small torch/numpy calls hold the GIL
+# between ops, so the build threads overlap less the smaller the piece: 1 << 16
+# built 46-50M values/s on both cores (1.4 cores busy), 1 << 19 95-115M (1.8
+# cores), same bytes (2-core Intel Xeon, idle, 2026-12-05, BENCHMARKS.md).
+BUILD_ELEMENTS = 1 << 19
 COPY_BYTES = 16 << 20  # bytes per chunk when copying or loading whole tables
 # Disk reads in flight (_pread_runs): a read whose first PROBE_RUNS runs took
 # SLOW_READ_SECONDS or more each came from the disk, not the page cache (a

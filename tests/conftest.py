@@ -17,18 +17,7 @@ os.environ.setdefault(*determinism.CUBLAS_WORKSPACE)
 _ENV_AT_START = os.environ.get(determinism.ENV)
 
 
-# The files that take longest (pytest --durations, 2026-12-05), first: xdist's
-# loadfile hands files to its workers in collection order, and alphabetically
-# these came last, leaving one worker alone with the tail. A file's own tests
-# keep their order; no test relies on another file's.
-SLOWEST_FILES = ("test_resume_exact.py", "test_disk_cli.py", "test_distributed.py", "test_sharding.py",
-                 "test_bad_input.py", "test_train.py", "test_differential.py", "test_multinode.py",
-                 "test_predict.py", "test_gpu_env.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
     if os.environ.get("RECSYS_VERIFY"):
         return
     skip = pytest.mark.skip(reason="part of `make verify` (RECSYS_VERIFY=1)")

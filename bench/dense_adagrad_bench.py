@@ -1,4 +1,4 @@
-"""Dense Adagrad update over DLRM-DCNv2's dense parameters (issue 41 item 4): foreach vs ChunkedAdagrad.
+"""Dense Adagrad update over DLRM-DCNv2's dense parameters (issue 41 item 4): torch.optim foreach vs DenseAdagrad.
 
     .venv/bin/python -m bench.dense_adagrad_bench [--rounds 5] [--steps 6]
 
@@ -6,7 +6,7 @@ The parameters of model=dlrm_v2 on 26 features (bottom MLP 13-512-256-128,
 three rank-512 cross layers over the 3456-wide concatenation, top MLP
 3456-1024-1024-512-256-1: 16.0M values), each step's gradients drawn afresh;
 torch.optim.Adagrad(foreach=True) (the trainer's update before) and
-train/dense_adagrad.ChunkedAdagrad (now) alternate in chunks of --steps
+train/dense_optim.DenseAdagrad (now) alternate in chunks of --steps
 steps in one process, on the trainer's compute threads (torch's default
 here), so the machine's load weighs on both alike. Prints ms per update of
 each chunk, the median ratio, and checks the two end with equal parameters
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from recsys_cli.train import dense_adagrad
-from recsys_cli.train.dense_adagrad import ChunkedAdagrad
+from recsys_cli.train import dense_optim
+from recsys_cli.train.dense_optim import DenseAdagrad
 
 BOTTOM, TOP, CROSS, RANK = [13, 512, 256, 128], [1024, 1024, 512, 256, 1], 3456, 512
 
@@ -46,13 +46,13 @@ def main() -> None:
     parser.add_argument("--piece", type=int, default=None, help="elements a piece (default: PIECE_ELEMENTS)")
     args = parser.parse_args()
     if args.piece:
-        dense_adagrad.PIECE_ELEMENTS = args.piece
+        dense_optim.PIECE_ELEMENTS = args.piece
     g = torch.Generator().manual_seed(0)
     shapes = dlrm_v2_shapes()
     start = [torch.randn(s, generator=g) * 0.01 for s in shapes]
     params = {kind: [torch.nn.Parameter(t.clone()) for t in start] for kind in ("foreach", "pieces")}
     opts = {"foreach": torch.optim.Adagrad(params["foreach"], lr=0.005, eps=1e-8, foreach=True),
-            "pieces": ChunkedAdagrad(params["pieces"], lr=0.005, eps=1e-8, initial_accumulator_value=0.0)}
+            "pieces": DenseAdagrad(params["pieces"], lr=0.005, eps=1e-8, initial_accumulator_value=0.0)}
     grads = torch.Generator().manual_seed(1)
     ms: dict[str, list[float]] = {"foreach": [], "pieces": []}
     for _ in range(args.rounds):

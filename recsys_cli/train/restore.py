@@ -26,6 +26,7 @@ from recsys_cli.embeddings.sharding import ShardPlan
 from recsys_cli.errors import UserError
 from recsys_cli import checkpoints as ckpt
 from recsys_cli.train import distributed
+from recsys_cli.train.dense_optim import DenseOptimizer
 from recsys_cli.train.training_data import TrainingData
 
 
@@ -65,7 +66,7 @@ class Restorable:
     """What a checkpoint loads into: the modules the Trainer built."""
 
     model: torch.nn.Module
-    dense_optimizer: torch.optim.Optimizer
+    dense_optimizer: DenseOptimizer
     embeddings: Tables  # model.embeddings
 
 

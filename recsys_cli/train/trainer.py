@@ -38,7 +38,7 @@ from recsys_cli.errors import UserError, say
 from recsys_cli.model.dlrm import DLRM
 from recsys_cli.train import distributed, restore, strategies
 from recsys_cli.train.auto_placement import auto_placement, expected_lookups
-from recsys_cli.train.dense_adagrad import ChunkedAdagrad
+from recsys_cli.train.dense_optim import DenseAdagrad, DenseOptimizer, DenseSGD
 from recsys_cli.train.loggers import make_log
 from recsys_cli.train.loop_control import LoopControl
 from recsys_cli.train.memory import RSSTrace, peak_rss_bytes, return_free_memory
@@ -118,14 +118,12 @@ class Trainer:
         self.embeddings = embeddings
         self.row_optimizer = row_optimizer
         strategies.check(cfg, embeddings)
-        # foreach: one multi-tensor kernel per update instead of a Python loop
-        # over the parameters (CPU defaults to the loop); the same arithmetic.
-        self.dense_optimizer: torch.optim.Optimizer
+        # torch.optim's foreach SGD and Adagrad, bit for bit, without importing torch._dynamo (dense_optim.py)
+        self.dense_optimizer: DenseOptimizer
         if opt.name == "sgd":
-            self.dense_optimizer = torch.optim.SGD(self.model.parameters(), lr=opt.lr, foreach=True)
+            self.dense_optimizer = DenseSGD(self.model.parameters(), lr=opt.lr)
         else:
-            # foreach's arithmetic in cache-sized pieces on CPU (dense_adagrad.py): the same bits, faster
-            self.dense_optimizer = ChunkedAdagrad(
+            self.dense_optimizer = DenseAdagrad(
                 self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator,
             )
 
@@ -209,8 +207,6 @@ class Trainer:
         the plan and the RSS it adds to, for summary.json."""
         from recsys_cli.train import memory_plan
         from recsys_cli.train.memory import current_rss_bytes
-
-        import torch._dynamo  # noqa: F401  the dense optimizer loads it (about 70 MB): held before the tables, not planned
 
         tables = memory_plan.tables_of(self.cfg)
         if tables is None:  # a dataset that does not load: training_data says why

@@ -113,19 +113,18 @@ def test_zero_grad_sets_gradients_to_none_or_zero():
 
 def test_a_training_process_does_not_import_torch_dynamo(tmp_path):
     """torch.optim imports torch._dynamo at its first call (~0.9 s and 65 MB
-    a process); a trainer with either optimizer steps, checkpoints and
-    resumes without it."""
+    a process); a trainer steps, checkpoints and resumes without it (SGD's
+    step and state dict are the same code but for the arithmetic)."""
     code = (
         "import sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from pathlib import Path\n"
         "from train_config import config, train\n"
         "tmp = Path(sys.argv[2])\n"
-        "for name in ('sgd', 'adagrad'):\n"
-        "    kw = dict(optimizer__name=name, trainer__max_steps=4, trainer__checkpoint_every=2,\n"
-        "              trainer__checkpoint_dir=str(tmp / name))\n"
-        "    train(config(tmp, **kw))\n"
-        "    train(config(tmp, **kw, trainer__resume=True))\n"
+        "kw = dict(optimizer__name='adagrad', trainer__max_steps=4, trainer__checkpoint_every=2,\n"
+        "          trainer__checkpoint_dir=str(tmp / 'checkpoints'))\n"
+        "train(config(tmp, **kw))\n"
+        "train(config(tmp, **kw, trainer__resume=True))\n"
         "print('torch._dynamo' in sys.modules)\n")
     tests = str(__import__("pathlib").Path(__file__).parent)
     r = subprocess.run([sys.executable, "-c", code, tests, str(tmp_path)], capture_output=True, text=True)

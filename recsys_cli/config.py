@@ -96,6 +96,11 @@ class OptimizerName(Choice):
     adagrad = "adagrad"
 
 
+class DenseKernel(Choice):
+    foreach = "foreach"
+    fused = "fused"
+
+
 class ScheduleKind(Choice):
     constant = "constant"
     warmup_poly = "warmup_poly"
@@ -224,6 +229,11 @@ class OptimizerConfig:
     lr: float = 0.1  # learning rate (of dense parameters and rows alike)
     eps: float = 1e-8  # adagrad: added to the root of the accumulator
     initial_accumulator: float = 0.0  # adagrad: the accumulators' starting value
+    # adagrad: the dense parameters' update. foreach: torch.optim.Adagrad(foreach=True)'s
+    # bits, four passes over each cache-sized piece; fused: torch's one-pass kernel
+    # (Adagrad(fused=True)'s bits, CPU and CUDA), 1.7x faster in a dlrm_v2 step, another
+    # rounding of the same update, so a run's numbers differ from foreach's (train/dense_optim.py)
+    dense_kernel: DenseKernel = DenseKernel.foreach
     # Learning-rate schedule for dense and row updates alike (train/schedule.py):
     # constant, or warmup_poly: linear warmup over warmup_steps, then from
     # decay_start_step (unset: the end of warmup) a polynomial decay of power
@@ -331,6 +341,7 @@ CHOICES: dict[str, type[Choice]] = {
     "precision.policy": CachePolicy,
     "optimizer.name": OptimizerName,
     "optimizer.schedule": ScheduleKind,
+    "optimizer.dense_kernel": DenseKernel,
     "trainer.device": DeviceChoice,
     "trainer.embedding_sync": EmbeddingSyncMode,
     "trainer.logger": LoggerKind,
@@ -448,6 +459,9 @@ def validate(cfg: Any) -> None:
         limits.check(key, _get(cfg, key))
     validate_synthetic(cfg.dataset.synthetic)  # dataset.synthetic.*, before any work (also checked when generating)
     opt = cfg.optimizer
+    if opt.dense_kernel == "fused" and opt.name != "adagrad":
+        raise UserError(f"optimizer.dense_kernel=fused is Adagrad's (optimizer.name={opt.name}: its update "
+                        "is one pass already)")
     if opt.decay_start_step is not None and opt.decay_start_step < opt.warmup_steps:
         raise UserError(f"optimizer.decay_start_step={opt.decay_start_step} is inside the warmup "
                         f"(optimizer.warmup_steps={opt.warmup_steps}): the decay starts after the warmup ends")

@@ -25,12 +25,13 @@ def parameters(transposed: bool) -> list[torch.nn.Parameter]:
 
 
 def make(kind: str, params):
-    """torch.optim's optimizer ("torch-sgd", "torch-adagrad") or ours ("sgd", "adagrad")."""
+    """torch.optim's optimizer ("torch-sgd", "torch-adagrad", "torch-adagrad_fused") or ours ("sgd", "adagrad",
+    "adagrad_fused")."""
     if kind == "torch-sgd":
         return torch.optim.SGD(params, lr=0.05, foreach=True)
-    if kind == "torch-adagrad":
-        return torch.optim.Adagrad(params, **ADAGRAD, foreach=True)
-    return DenseSGD(params, lr=0.05) if kind == "sgd" else DenseAdagrad(params, **ADAGRAD)
+    if kind.startswith("torch-adagrad"):
+        return torch.optim.Adagrad(params, **ADAGRAD, **({"fused": True} if "fused" in kind else {"foreach": True}))
+    return DenseSGD(params, lr=0.05) if kind == "sgd" else DenseAdagrad(params, **ADAGRAD, fused="fused" in kind)
 
 
 def train(kind: str, transposed: bool, steps: int = 6, swap_at: int | None = None, to: str | None = None):
@@ -72,7 +73,7 @@ def assert_same(got, reference) -> None:
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adagrad_fused"])
 def test_the_same_bits_and_state_dict_as_torch_optim(name, transposed):
     ours, theirs = name, f"torch-{name}"
     reference = train(theirs, transposed)
@@ -81,6 +82,20 @@ def test_the_same_bits_and_state_dict_as_torch_optim(name, transposed):
         assert_same(got, reference)
     # and the update is not the identity: parameters moved
     assert not torch.equal(reference[0][0], parameters(transposed)[0].detach())
+
+
+def test_the_fused_kernel_is_another_rounding_of_the_same_update():
+    """optimizer.dense_kernel=fused is not foreach's bits (so it is a choice,
+    not the default), but the same update to within rounding; a run resumed
+    with the other kernel goes on from the saved state with its own."""
+    (foreach, _), (fused, _) = train("adagrad", False), train("adagrad_fused", False)
+    assert not all(torch.equal(a, b) for a, b in zip(foreach, fused))
+    for a, b in zip(foreach, fused):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    switched, state_dict = train("adagrad", False, swap_at=3, to="adagrad_fused")
+    assert state_dict["param_groups"][0]["fused"] is True and state_dict["param_groups"][0]["foreach"] is None
+    for a, b in zip(switched, fused):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_a_state_dict_of_other_parameters_is_refused():
@@ -130,3 +145,21 @@ def test_a_training_process_does_not_import_torch_dynamo(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, tests, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
+
+
+def test_a_run_with_the_fused_kernel_resumes_exactly(tmp_path):
+    """optimizer.dense_kernel=fused (optimizer=mlperf_dcnv2's): stopped at a
+    checkpoint and resumed, the run ends where the uninterrupted one does."""
+    from train_config import config, train
+
+    kw = dict(optimizer__name="adagrad", optimizer__lr=0.05, optimizer__dense_kernel="fused")
+    full = train(config(tmp_path, **kw, trainer__max_steps=8))
+    ck = str(tmp_path / "ck")
+    train(config(tmp_path, **kw, trainer__max_steps=4, trainer__checkpoint_dir=ck))
+    resumed = train(config(tmp_path, **kw, trainer__max_steps=8, trainer__checkpoint_dir=ck, trainer__resume="true"))
+    assert resumed.step == 8 and resumed.step_losses == full.step_losses[4:]
+    assert resumed.dense_optimizer.fused and resumed.dense_optimizer.param_groups[0]["fused"] is True
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[k], v), k
+    for p, q in zip(full.dense_optimizer.params, resumed.dense_optimizer.params):
+        assert torch.equal(full.dense_optimizer.state[p]["sum"], resumed.dense_optimizer.state[q]["sum"])

@@ -150,6 +150,8 @@ def test_dcn_learns_the_synthetic_task(cache_dir):
     ({"optimizer.schedule": "warmup_poly", "optimizer.warmup_steps": 10, "optimizer.decay_start_step": 5},
      "optimizer.decay_start_step=5"),
     ({"model.init": "xavier"}, "model.init"),
+    ({"optimizer.dense_kernel": "fast"}, "optimizer.dense_kernel"),
+    ({"optimizer.dense_kernel": "fused"}, "optimizer.dense_kernel=fused is Adagrad's"),  # config()'s sgd
     ({"model.interaction": "dcn", "model.dcn_rank": 0}, "model.dcn_rank"),
 ])
 def test_bad_model_and_schedule_settings_fail_at_start(cache_dir, overrides, message):

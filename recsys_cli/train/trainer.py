@@ -125,6 +125,7 @@ class Trainer:
         else:
             self.dense_optimizer = DenseAdagrad(
                 self.model.parameters(), lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator,
+                fused=opt.dense_kernel == "fused",
             )
 
         # Plans are made on the loader thread; on CUDA the batch and its plans are also pinned there.

@@ -12,6 +12,13 @@ memory) and prints its wall and CPU seconds and the sha256 of the bytes
 built; the bench checks both builds' bytes are equal and prints values/s,
 CPU ns a value and the ratio of each round. At MLPerf DLRM-DCNv2's size
 (204,184,588 rows x 128 = 26.1G values) the build takes 26.1G / (values/s).
+
+    .venv/bin/python -m bench.table_build_bench --stages [--rows 400000] [--threads 1]
+
+builds one disk table in this process with each stage of the build timed
+(the fp32 draw, the rounding hashes, the noise, the quantizer and its parts,
+the write), summed over the build threads, in ns a value: where the time
+goes.
 """
 
 from __future__ import annotations
@@ -60,6 +67,53 @@ def build(rows: int, store: str) -> dict:
     return {"wall": wall, "cpu": cpu, "sha256": digest.hexdigest()}
 
 
+def stages(rows: int, threads: int) -> None:
+    """One disk table built here with its stages timed (module docstring)."""
+    import collections
+
+    import torch
+
+    from recsys_cli.embeddings import quant, table_init
+    from recsys_cli.embeddings.disk_store import DiskRowStore
+    from recsys_cli.embeddings.table_init import TableSpec
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - began
+
+        setattr(owner, name, run)
+
+    for owner, name, label in [
+        (table_init, "_draw", "fp32 draw (Mersenne twister, scale)"),
+        (DiskRowStore, "_write_initial", "encode and write (below, and the optimizer state)"),
+        (quant.RoundingKey, "hashes", "  rounding hashes"),
+        (quant, "uniform_noise", "  hashes -> uniform noise"),
+        (quant, "quantize_rows", "  int4 quantizer (below, and subtract/divide/clamp/pack)"),
+        (quant, "_row_extremes", "    row min/max"),
+        (quant, "_grid", "    fp16 grid"),
+        (quant, "_round_", "    round"),
+        (DiskRowStore, "_pwrite_range", "  pwrite"),
+    ]:
+        timed(owner, name, label)
+    torch.set_num_threads(threads)  # the build's threads (DiskRowStore._build)
+    values = rows * DIM
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, cpu = time.perf_counter(), time.process_time()
+        DiskRowStore([TableSpec("C1", rows, DIM)], [0], "int4", "stochastic", 0, 1, 0.0, tmp, host_cache_rows=0).close()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"{threads} build threads: {values / wall / 1e6:.1f}M values/s, {cpu / values * 1e9:.1f} CPU ns a value")
+    for label, s in seconds.items():
+        print(f"  {label}: {s / values * 1e9:.2f} ns a value")
+
+
 def child(code: str, rows: int, store: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (code, os.environ.get("PYTHONPATH")) if p))
     # this file as a script (its folder first on sys.path, not the checkout): recsys_cli from `code`
@@ -74,8 +128,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", default="f6ca939", help="the commit to compare with (git rev)")
     parser.add_argument("--store", choices=["disk", "host"], default="disk")
+    parser.add_argument("--stages", action="store_true", help="time each stage of one disk build here")
+    parser.add_argument("--threads", type=int, default=1, help="--stages: build threads")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.stages:
+        stages(args.rows, args.threads)
+        return
     if args.child:
         print(json.dumps(build(args.rows, args.store)))
         return

@@ -4,6 +4,7 @@ process that uses them never imports torch._dynamo."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,7 +142,7 @@ def test_a_training_process_does_not_import_torch_dynamo(tmp_path):
         "train(config(tmp, **kw))\n"
         "train(config(tmp, **kw, trainer__resume=True))\n"
         "print('torch._dynamo' in sys.modules)\n")
-    tests = str(__import__("pathlib").Path(__file__).parent)
+    tests = str(Path(__file__).parent)
     r = subprocess.run([sys.executable, "-c", code, tests, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False", r.stdout

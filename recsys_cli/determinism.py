@@ -18,7 +18,7 @@ import os
 
 from recsys_cli.errors import UserError
 
-__all__ = ["CUBLAS_WORKSPACE", "ENV", "enable", "enable_if_requested", "requested"]
+__all__ = ["CUBLAS_WORKSPACE", "ENV", "enable", "enable_if_requested", "requested", "settle_vector_math"]
 
 ENV = "RECSYS_DETERMINISTIC"
 # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made.
@@ -47,3 +47,21 @@ def enable_if_requested() -> bool:
         enable()
         return True
     return False
+
+
+def settle_vector_math() -> None:
+    """Make MKL's first vector-math call on this thread, before any parallel op makes it.
+
+    On CPU, torch's sqrt (and log, exp, tanh ...) of float tensors run MKL's vector
+    math (VML), which detects the CPU on its first call and keeps the answer in a
+    static that it writes twice: the raw CPU type, then the code path that type
+    maps to. A compute thread whose first call falls between the two writes runs
+    another CPU's path for its share of that op: a sqrt with errors up to 2^-14
+    instead of the correctly rounded one. Seen on the first parallel sqrt of about
+    2-7 % of fresh processes under GOMP_SPINCOUNT=1000 (recsys's wait policy), it
+    made the first optimizer step of such a process differ from every other run's
+    (tests/test_determinism.py). One call here, on one element, makes the choice
+    before the compute threads ask. Idempotent and cheap (microseconds)."""
+    import torch
+
+    torch.sqrt(torch.ones(1))

@@ -189,8 +189,10 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     memory, which stay on the host when the device is a GPU)."""
     from recsys_cli.embeddings.disk_checkpoint import materialize
     from recsys_cli import checkpoints as ckpt
+    from recsys_cli import determinism
     from recsys_cli.device import resolve_device
 
+    determinism.settle_vector_math()  # before the scores' first parallel op
     path = find_run_checkpoint(location)
     state = ckpt.load_checkpoint(path)
     for key in ("model", "tables", "features", "config"):

@@ -20,6 +20,8 @@ import torch  # noqa: E402
 
 from recsys_cli import determinism  # noqa: E402
 
+# MKL's CPU detection, made here once before any test's parallel op (determinism.settle_vector_math).
+determinism.settle_vector_math()
 # cuBLAS reads its workspace setting when its first handle is made, before any test's first matmul on CUDA.
 os.environ.setdefault(*determinism.CUBLAS_WORKSPACE)
 _ENV_AT_START = os.environ.get(determinism.ENV)

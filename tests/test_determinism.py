@@ -71,3 +71,43 @@ def test_a_bad_value_is_one_line_exit_2():
     got = _child("from recsys_cli.cli import main\nmain(['report', '/nonexistent-run-dir'])", env)
     assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
     assert f"{determinism.ENV}='yes'" in got.stdout + got.stderr and "give 1" in got.stdout + got.stderr
+
+
+# --- MKL's first vector-math call (determinism.settle_vector_math) --------------------------------------------------
+
+# A fresh process's first parallel sqrt, on two compute threads, against the same sqrt on one thread once MKL has
+# chosen its code path. Without the settling call 3 of 100 such processes differed (GOMP_SPINCOUNT=1000, 2-core
+# Intel Xeon, 2026-12-06); the second thread's half had errors up to 565 ulps.
+FIRST_PARALLEL_SQRT = """
+import torch
+from recsys_cli import determinism
+determinism.settle_vector_math()
+torch.set_num_threads(2)
+x = torch.linspace(0.05, 0.84, 786_496)
+x.mul(2)  # the compute threads start
+root = torch.sqrt(x)  # the process's first parallel sqrt
+torch.set_num_threads(1)
+print("same" if torch.equal(root, torch.sqrt(x)) else "differ")
+"""
+
+
+@pytest.mark.verify
+def test_the_first_parallel_sqrt_of_a_process_runs_one_code_path_on_every_thread():
+    env = {**os.environ, "GOMP_SPINCOUNT": "1000"}  # recsys's wait policy, under which the race was seen
+    env.pop("OMP_WAIT_POLICY", None)
+    results = [subprocess.run([sys.executable, "-c", FIRST_PARALLEL_SQRT], cwd=REPO, capture_output=True, text=True,
+                              env=env, timeout=300).stdout.strip() for _ in range(100)]
+    assert results == ["same"] * 100
+
+
+def test_training_and_scoring_settle_mkl_before_their_first_op(tmp_path, monkeypatch):
+    from recsys_cli.inference import load_model
+    from train_config import config, train
+
+    calls: list[str] = []
+    monkeypatch.setattr(determinism, "settle_vector_math", lambda: calls.append("settled"))
+    trainer = train(config(tmp_path, trainer__max_steps=2, trainer__checkpoint_dir=str(tmp_path / "ck")),
+                    run_dir=tmp_path / "run")
+    assert calls == ["settled"] and trainer.step == 2
+    load_model(tmp_path / "ck", device="cpu")
+    assert calls == ["settled", "settled"]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from recsys_cli import checkpoints as ckpt
-from recsys_cli import wait_policy
+from recsys_cli import determinism, wait_policy
 from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
@@ -59,6 +59,7 @@ PHASES = ("data_wait", "embedding_forward", "mlp_forward", "backward", "communic
 class Trainer:
     def __init__(self, cfg, run_dir: Path | None = None, console=None) -> None:
         validate(cfg)
+        determinism.settle_vector_math()  # before the first parallel op of the data, the tables and the steps
         self.cfg = cfg
         self.run_dir = run_dir
         self.console = console

@@ -57,8 +57,8 @@ def settle_vector_math() -> None:
     static that it writes twice: the raw CPU type, then the code path that type
     maps to. A compute thread whose first call falls between the two writes runs
     another CPU's path for its share of that op: a sqrt with errors up to 2^-14
-    instead of the correctly rounded one. Seen on the first parallel sqrt of about
-    2-7 % of fresh processes under GOMP_SPINCOUNT=1000 (recsys's wait policy), it
+    instead of the accurate path's (within an ulp). Seen on the first parallel sqrt
+    of 3 in 100 fresh processes under GOMP_SPINCOUNT=1000 (recsys's wait policy), it
     made the first optimizer step of such a process differ from every other run's
     (tests/test_determinism.py). One call here, on one element, makes the choice
     before the compute threads ask. Idempotent and cheap (microseconds)."""

@@ -198,7 +198,7 @@ def fill_overlap_share(system, steps: int, trace: Path) -> dict:
     events = json.loads(trace.read_text())["traceEvents"]
     trace.unlink()
     got = fill_overlap(events)
-    return {k: got.get(k) for k in ("overlapped_share", "fill_copies", "fill_copy_us", "error")}
+    return {k: got.get(k) for k in ("overlapped_share", "compute_busy_share", "fill_copies", "fill_copy_us", "error")}
 
 
 def run_batch(batch: int, args, out: dict, started: float) -> None:

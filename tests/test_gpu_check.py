@@ -171,11 +171,23 @@ def test_overlap_counts_only_fill_copies_under_compute_kernels():
     # fills: 50..170 (50 + 20 us under kernels) and 400..440 (none); the batch copy is not a fill
     assert got["fill_copies"] == 2 and got["fill_copy_us"] == 160 and got["compute_stream"] == 7
     assert got["overlapped_share"] == pytest.approx(70 / 160)
+    assert got["compute_busy_share"] == pytest.approx(250 / 300)  # kernels 0..100 and 150..300
     assert not got["ok"] and "goal 80%" in got["error"]  # under the goal: the stage fails
     busy = events + [_event("kernel", "k", 100, 50, stream=7), _event("kernel", "k", 380, 80, stream=7)]
     covered = gpu_check.fill_overlap(busy)
     assert covered["overlapped_share"] == pytest.approx(1.0) and covered["ok"] and covered.get("error") is None
+    assert covered["compute_busy_share"] == pytest.approx(380 / 460)
     serial = gpu_check.fill_overlap([e for e in events if e["args"].get("correlation") != 1])
     assert not serial["ok"] and serial["overlapped_share"] == 0.0  # a fill after compute overlaps nothing
     unnamed = gpu_check.fill_overlap([e for e in events if e["name"] != fill])
     assert not unnamed["ok"] and "no host-to-device copy" in unnamed["error"]  # other copies never count
+
+
+def test_the_overlap_stage_paces_the_gpu_slower_than_the_host():
+    # Unlagged steps start every 17 ms after two slow first ones: the lag is 3 steps' worth, so the
+    # compute stream (lag + the step's kernels) outlasts the host's step even under the profiler.
+    starts = [0.0, 0.050, 0.080, 0.097, 0.115, 0.132, 0.148, 0.165, 0.182]
+    host = gpu_check.unlagged_step_seconds(starts)
+    assert host == pytest.approx(0.017)
+    assert gpu_check.overlap_lag_ms(1000 * host) == pytest.approx(51.0)
+    assert gpu_check.overlap_lag_ms(0.5) == gpu_check.OVERLAP_LAG_MIN_MS  # a fast host: the floor

@@ -21,7 +21,9 @@ chunks added on top (the allocator's peak in the chunk, less what was
 allocated at its start), host<->device bytes per step (the runtime's copy
 counters), the cache hit rate, the synchronisations a step makes
 (torch.cuda.set_sync_debug_mode, counted by call site over one chunk), and
-the validation AUC after the rounds (the same batches for every system).
+the validation AUC after the rounds (the same batches for every system),
+and the prefetcher's busy share: its seconds in the caches' prepare over the
+chunk's wall time (near 100 %, the prefetcher, not the GPU, sets the pace).
 For the lookahead systems at the largest batch, one chunk runs under
 torch.profiler and gives the share of the fill copies' time that compute
 kernels overlapped (bench/gpu_check.py's measure, without its artificial lag).
@@ -126,6 +128,10 @@ class RecsysOnGpu:
     def table_device_bytes(self) -> int | None:
         return (self.trainer.embedding_allocated or {}).get("device")
 
+    def prepare_seconds(self) -> float:
+        """The prefetcher's seconds in its caches' prepare so far (0 without a cache)."""
+        return float(self.trainer.embeddings.stats().get("prepare_seconds", 0.0))
+
 
 class PeerOnGpu:
     def __init__(self, peer: CudaPlain) -> None:
@@ -137,6 +143,9 @@ class PeerOnGpu:
 
     def copy_bytes(self) -> dict[str, int]:
         return {"host_to_device": 0, "device_to_host": 0}  # not counted for the peer
+
+    def prepare_seconds(self) -> float:
+        return 0.0  # no cache, no prefetcher
 
     def table_device_bytes(self) -> int:
         model = self.peer.model
@@ -150,7 +159,7 @@ def timed_chunk(system, steps: int) -> dict:
         torch.cuda.synchronize()
         start_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    copied = system.copy_bytes()
+    copied, prepared = system.copy_bytes(), system.prepare_seconds()
     start = time.perf_counter()
     loss = None
     for _ in range(steps):
@@ -161,7 +170,8 @@ def timed_chunk(system, steps: int) -> dict:
     after = system.copy_bytes()
     return {"seconds": seconds, "peak_added": torch.cuda.max_memory_allocated() - start_bytes if cuda else None,
             "h2d": after["host_to_device"] - copied["host_to_device"],
-            "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach())}
+            "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach()),
+            "prepare": system.prepare_seconds() - prepared}
 
 
 def sync_sites(system, steps: int) -> dict[str, int]:
@@ -230,6 +240,8 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             got = timed_chunk(systems[n], args.steps)
             entry = result["systems"][n]
             entry["rates"].append(args.steps * batch / got["seconds"])
+            # The prefetcher's share of the chunk's wall time: near 1, it sets the pace (the step waits for it).
+            entry.setdefault("prepare_shares", []).append(got["prepare"] / got["seconds"])
             entry["peak_added_bytes"] = max(entry.get("peak_added_bytes") or 0, got["peak_added"] or 0)
             entry["h2d_bytes_per_step"] = got["h2d"] / args.steps
             entry["d2h_bytes_per_step"] = got["d2h"] / args.steps
@@ -242,6 +254,7 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
         entry = result["systems"][n]
         if entry["rates"]:
             entry["samples_per_second"] = statistics.median(entry["rates"])
+            entry["prepare_share"] = statistics.median(entry["prepare_shares"])
             entry["vs_device"] = entry["samples_per_second"] / base if base else None
         entry["table_device_bytes"] = system.table_device_bytes()
         if isinstance(system, RecsysOnGpu):
@@ -276,24 +289,23 @@ def write(out: dict, args) -> None:
 
 def table(out: dict) -> str:
     lines = ["| batch | system | samples/s | vs device | table device MiB | chunk peak added MiB | H2D MB/step "
-             "| hit rate | syncs/step | val AUC |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| hit rate | prefetcher busy | syncs/step | val AUC |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v, spec: str) -> str:
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
     for b in out["batches"]:
         for n, e in b["systems"].items():
-            def mib(v):
-                return f"{v / 2**20:,.0f}" if isinstance(v, (int, float)) else "-"
-
             syncs = e.get("syncs_per_chunk")
-            per_step = f"{sum(syncs.values()) / e['sync_steps']:.1f}" if syncs is not None else "-"
-            lines.append(
-                f"| {b['batch']} | {n} | {e.get('samples_per_second', 0):,.0f} | "
-                f"{e['vs_device']:.2f} | " if e.get("vs_device") is not None else
-                f"| {b['batch']} | {n} | {e.get('samples_per_second', 0):,.0f} | - | ")
-            lines[-1] += (f"{mib(e.get('table_device_bytes'))} | {mib(e.get('peak_added_bytes'))} | "
-                          f"{(e.get('h2d_bytes_per_step') or 0) / 1e6:,.2f} | "
-                          f"{e['hit_rate']:.3f} | " if e.get("hit_rate") is not None else
-                          f"{mib(e.get('table_device_bytes'))} | {mib(e.get('peak_added_bytes'))} | "
-                          f"{(e.get('h2d_bytes_per_step') or 0) / 1e6:,.2f} | - | ")
-            lines[-1] += f"{per_step} | {e['val_auc']:.4f} |" if e.get("val_auc") is not None else f"{per_step} | - |"
+            mib = {k: e[k] / 2**20 if isinstance(e.get(k), (int, float)) else None
+                   for k in ("table_device_bytes", "peak_added_bytes")}
+            cells = [b["batch"], n, num(e.get("samples_per_second", 0), ",.0f"), num(e.get("vs_device"), ".2f"),
+                     num(mib["table_device_bytes"], ",.0f"), num(mib["peak_added_bytes"], ",.0f"),
+                     num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"), num(e.get("hit_rate"), ".3f"),
+                     num(e.get("prepare_share"), ".0%") if e.get("hit_rate") is not None else "-",
+                     num(sum(syncs.values()) / e["sync_steps"], ".1f") if syncs is not None else "-",
+                     num(e.get("val_auc"), ".4f")]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 

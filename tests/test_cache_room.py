@@ -15,6 +15,9 @@ against a top-k over every slot.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -334,3 +337,23 @@ def test_scores_past_int32_widen_and_evict_as_before():
     for name in ("row_of_slot", "score", "free_slots", "dirty"):
         assert torch.equal(getattr(restored, name), getattr(plain, name)), name
     assert restored.row_of_slot.dtype == torch.int32
+
+
+def test_prepare_seconds_count_the_prefetchers_work_and_not_its_wait_for_the_trainer():
+    # The summary's "cache fill seconds" said how long prepare() took, waits included: a lookahead
+    # prefetcher that mostly waits for the trainer's window read as if filling took the whole step.
+    group = _group("lru", lookahead=True, precision="fp32")  # window 3
+    plans = [_plan(torch.arange(i * BATCH, (i + 1) * BATCH)) for i in range(5)]
+    for plan in plans[:4]:
+        group.prepare(plan)  # batches 0..3: the fourth is 3 ahead of the trainer's completed 0
+    before = dict(group.counters)
+    trainer = threading.Timer(0.5, group.release, args=(plans[0],))  # the trainer completes batch 0 later
+    start = time.perf_counter()
+    trainer.start()
+    group.prepare(plans[4])  # waits for batch 0: its window is batches 1..3
+    took = time.perf_counter() - start
+    trainer.join()
+    waited = group.counters["prepare_wait_seconds"] - before["prepare_wait_seconds"]
+    worked = group.counters["prepare_seconds"] - before["prepare_seconds"]
+    assert took >= 0.5 and waited >= 0.45 and worked < 0.25
+    assert waited + worked == pytest.approx(took, abs=0.05)

@@ -83,9 +83,11 @@ class TrainerRun(SystemRun):
         out: dict[str, Cell] = {}
         if self.evaluate:
             out[f"{self.evaluate} AUC"] = float(self.trainer.evaluate(self.evaluate)["auc"])
-        hit_rate = self.trainer.embeddings.stats().get("hit_rate")
-        if hit_rate is not None:
-            out["hit rate"] = float(hit_rate)
+        stats = self.trainer.embeddings.stats()
+        if stats.get("hit_rate") is not None:
+            out["hit rate"] = float(stats["hit_rate"])
+            # The caches' own work a step (on lookahead's prefetch thread), waits for the trainer left out.
+            out["fill work ms/step"] = 1000 * float(stats["prepare_seconds"]) / max(self.trainer.step, 1)
         memory = self.trainer.embeddings.memory()
         out["table+cache MiB"] = (memory["table"] + memory["cache"]) / 2**20
         out["index MiB"] = memory["index"] / 2**20

@@ -227,7 +227,10 @@ class CachedGroup(TableGroup):
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.counters = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
-                           bytes_to_device=0, bytes_to_host=0, not_admitted=0, prepare_seconds=0.0)
+                           bytes_to_device=0, bytes_to_host=0, not_admitted=0,
+                           # prepare's own work, and apart its waits for the trainer (a window's
+                           # batches completed, a write-back's copy off the device)
+                           prepare_seconds=0.0, prepare_wait_seconds=0.0)
         self.use_runtime(runtime_for(dev), side_stream=dev.type == "cuda" and lookahead)
 
     @property
@@ -321,7 +324,7 @@ class CachedGroup(TableGroup):
     def prepare(self, plan: LookupPlan) -> "Fill":
         """Make the plan's rows resident and pin them (see the invariants
         above); returns what it did, for replicas on other ranks (apply)."""
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.counters["prepare_wait_seconds"]
         unique = plan.unique
         if self.admit_all and unique.numel() > self.capacity:
             raise CacheTooSmall(
@@ -386,7 +389,9 @@ class CachedGroup(TableGroup):
         try:
             if leaving is not None:
                 copied, *leaving = leaving
+                since = time.perf_counter()
                 copied.synchronize()  # the write-back's copy off the device (enqueued under the lock)
+                self.counters["prepare_wait_seconds"] += time.perf_counter() - since
                 self.store.write(*leaving, index)
             values = self.store.read(self._to_store_device(arriving)) if arriving.numel() else None
         except BaseException:
@@ -434,7 +439,7 @@ class CachedGroup(TableGroup):
                 plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
                 plan.ready = self.runtime.recorded(self.side_stream)
-        self.counters["prepare_seconds"] += time.perf_counter() - start
+        self.counters["prepare_seconds"] += time.perf_counter() - start - (self.counters["prepare_wait_seconds"] - waited)
         return Fill(slots, loaded)
 
     def loaded_values(self, plan: LookupPlan, fill: "Fill") -> torch.Tensor:
@@ -499,10 +504,16 @@ class CachedGroup(TableGroup):
 
     def _wait_completed(self, count: int) -> None:
         """Wait (lock held) until the trainer has completed `count` batches."""
-        while self.completed < count:
-            if self.stop.is_set():
-                raise PrefetchStopped()
-            self.cond.wait(timeout=0.1)
+        if self.completed >= count:
+            return
+        since = time.perf_counter()
+        try:
+            while self.completed < count:
+                if self.stop.is_set():
+                    raise PrefetchStopped()
+                self.cond.wait(timeout=0.1)
+        finally:
+            self.counters["prepare_wait_seconds"] += time.perf_counter() - since
 
     def _first_unsafe(self, position: int) -> int:
         """The first batch whose rows may not be evicted yet once the trainer

@@ -176,8 +176,9 @@ class Run:
         return 1000 * (phases.get("data_wait", 0.0) + phases.get("embedding_forward", 0.0)) / steps
 
     def cache_fill_ms(self) -> float | None:
-        """Time the cache spent filling (prepare), ms per step; for lookahead
-        it runs on the prefetch thread, overlapped with training."""
+        """Time the cache spent filling (prepare's work, without its waits
+        for the trainer), ms per step; for lookahead it runs on the prefetch
+        thread, overlapped with training."""
         steps, seconds = self.steps, number(self.cache.get("prepare_seconds"))
         if not steps or seconds is None:
             return None

@@ -104,7 +104,9 @@ def summary_table(summary: dict) -> Table:
         add("cache hit rate", f"{cache['hit_rate']:.3f}" if cache.get("hit_rate") is not None else "-")
         add("cache rows loaded / evicted", f"{cache['rows_loaded']:,} / {cache['rows_evicted']:,}")
         add("bytes host->device / device->host", f"{format_bytes(cache['bytes_to_device'])} / {format_bytes(cache['bytes_to_host'])}")
-        add("cache fill seconds", f"{cache['prepare_seconds']:.2f}")
+        waited = cache.get("prepare_wait_seconds")  # absent from summaries before 2026-12-07
+        add("cache fill / wait seconds",
+            f"{cache['prepare_seconds']:.2f} / " + (f"{waited:.2f}" if waited is not None else "-"))
         if "window_used_mean" in cache:
             add("lookahead window used (min / mean)", f"{cache['window_used_min']} / {cache['window_used_mean']:.1f}")
         if "disk_bytes_read" in cache:  # the disk tier

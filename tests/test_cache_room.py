@@ -261,7 +261,8 @@ def _held_index_bytes(group: CachedGroup) -> int:
         if part is not None:
             tensors += [t for name, t in vars(part).items() if isinstance(t, torch.Tensor) and name not in _NOT_PER_SLOT]
             tensors += [seg for segments in getattr(part, "_buckets", {}).values() for seg in segments]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # A view (the slot index's windows over its keys) holds no bytes of its own.
+    return sum(t.numel() * t.element_size() for t in tensors if t._base is None)
 
 
 @pytest.mark.parametrize("policy,lookahead,precision", [("lru", False, "int8"), ("lru", True, "fp32")])

@@ -179,3 +179,23 @@ def test_int32_keys_equal_a_dict_and_cost_16_bytes_a_slot(seed):
         SlotIndex(4, TEST_DEVICE, max_key=10).insert(torch.tensor([11], device=TEST_DEVICE),
                                                      torch.tensor([0], device=TEST_DEVICE))
     assert SlotIndex(4, max_key=INT32_KEYS_BELOW).keys.dtype == torch.int64  # past the bound: int64 keys
+
+
+def test_an_int32_index_never_finds_a_key_beyond_its_range_by_its_low_bits():
+    """Queries are compared in the index's key dtype; a key above int32's range
+    is not cut to its low 32 bits, which may be a key the index holds."""
+    index = SlotIndex(50, TEST_DEVICE, max_key=1000)
+    held = torch.tensor([5, 7, 999], device=TEST_DEVICE)
+    index.insert(held, torch.tensor([0, 1, 2], device=TEST_DEVICE))
+    aliases = held + (1 << 32)  # the same low 32 bits
+    assert index.lookup(aliases).tolist() == [-1, -1, -1]
+    assert index.remove(aliases) == 0 and index.lookup(held).tolist() == [0, 1, 2]
+
+
+def test_an_index_smaller_than_a_probe_window_wraps_every_probe():
+    index = SlotIndex(3, TEST_DEVICE)  # 6 buckets: every window of 8 runs past the last
+    index.insert(torch.tensor([11, 4, 29], device=TEST_DEVICE), torch.tensor([0, 1, 2], device=TEST_DEVICE))
+    _check(index, {11: 0, 4: 1, 29: 2}, 40)
+    assert index.remove(torch.tensor([4, 5], device=TEST_DEVICE)) == 1
+    index.insert(torch.tensor([5], device=TEST_DEVICE), torch.tensor([1], device=TEST_DEVICE))
+    _check(index, {11: 0, 5: 1, 29: 2}, 40)

@@ -1,0 +1,146 @@
+"""The cache's fill work: CachedGroup.prepare() per batch, and its parts, on CPU.
+
+    python -m bench.cache_fill_bench [--batch 16384] [--rows 800000] [--ratios 0.01 0.05] [--batches 39] [--record]
+
+On a GPU the trainer's host work per step is small, and the lookahead
+prefetcher's prepare() may set the pace (BENCHMARKS.md, "GPU": lookahead 1 %
+ran at 0.68x device placement at batch 16384). This times prepare() alone:
+dlrm_kaggle's 26 tables at Kaggle cardinalities (33.8M rows at scale 1, dim
+16, row-wise Adagrad) in one lookahead group, built as `recsys train` builds
+it, fed the synthetic Kaggle data's batches in order, each gathered,
+updated (a zero gradient: its rows dirty, as after a step) and released
+right after its prepare (a trainer that keeps up: the prefetcher never
+waits). Per cache ratio: the mean ms a batch after the first 10 (periodic
+work such as the victim order's rebuild included) and the mean ms of each
+part, timed by wrapping the slot index's lookup and insert, the room
+search, the eviction (with its write-back), the store's read and the
+victim order's push; "other" is the rest of prepare() (its own tensor work
+between the parts). The defaults read one epoch of the training split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from omegaconf import OmegaConf
+
+WARM_BATCHES = 10
+PARTS = {  # part -> (object path from the group, method)
+    "lookup": ("slot_index", "lookup"),
+    "insert": ("slot_index", "insert"),
+    "room search": ("", "_make_room"),
+    "evict": ("", "_evict"),
+    "store read": ("store", "read"),
+    "victim order": ("victims", "push"),
+}
+
+
+def group_and_plans(args, ratio: float):
+    from recsys_cli import ShardLoader, load_manifest
+    from recsys_cli.config import TrainConfig
+    from recsys_cli.embeddings.optim import RowOptimizer
+    from recsys_cli.embeddings.placement import build_embeddings
+    from recsys_cli.train.training_data import resolve_dataset
+
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.dataset.synthetic.rows = args.rows
+    cfg.dataset.synthetic.cardinality_scale = args.cardinality_scale
+    cfg.dataset.cache_dir = args.cache_dir
+    cfg.placement.kind, cfg.placement.cache_ratio = "lookahead", ratio
+    data = resolve_dataset(cfg.dataset)
+    manifest = load_manifest(data)
+    features = [f.name for f in manifest.sparse_features]
+    vocab = [f.vocab_size for f in manifest.sparse_features]
+    embeddings = build_embeddings(features, vocab, 16, cfg.placement, cfg.precision, RowOptimizer("adagrad", 0.05),
+                                  torch.device("cpu"), 0, batch_ids={f: args.batch for f in features})
+    loader = ShardLoader(data, "train", args.batch, shuffle=False)
+    plans = []
+    while len(plans) < args.batches:
+        for batch in loader:
+            plans.append(embeddings.plan_batch(batch).plans[0])
+            if len(plans) == args.batches:
+                break
+    (group,) = embeddings.groups
+    return group, plans
+
+
+def timed_parts(group) -> dict[str, list[float]]:
+    """Wrap each part's method on its object (this run's group only) to add its seconds to a per-batch list."""
+    seconds: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(owner, method: str, part: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                seconds[part][-1] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+
+    for part, (path, method) in PARTS.items():
+        owner = getattr(group, path) if path else group
+        if owner is not None:
+            wrap(owner, method, part)
+    return seconds
+
+
+def measure(args, ratio: float) -> dict:
+    group, plans = group_and_plans(args, ratio)
+    seconds = timed_parts(group)
+    totals = []
+    for plan in plans:
+        for part in PARTS:
+            seconds[part].append(0.0)
+        start = time.perf_counter()
+        group.prepare(plan)
+        totals.append(time.perf_counter() - start)
+        rows = group.gather(plan)
+        group.update(plan, rows, torch.zeros_like(rows))  # as a step does: the rows dirty, written back on eviction
+        group.release(plan)
+    ms = lambda xs: 1000 * statistics.fmean(xs[WARM_BATCHES:])  # noqa: E731
+    row = {"cache ratio": ratio, "slots": group.capacity, "ids a batch": int(plans[0].inverse.numel()),
+           "unique a batch": round(statistics.fmean(p.unique.numel() for p in plans[WARM_BATCHES:])),
+           "hit rate": group.stats()["hit_rate"], "prepare ms": ms(totals)}
+    for part in PARTS:
+        row[f"{part} ms"] = ms(seconds[part])
+    row["other ms"] = ms([t - sum(seconds[p][i] for p in PARTS) for i, t in enumerate(totals)])
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cache_fill_bench")
+    parser.add_argument("--batch", type=int, default=16384)
+    parser.add_argument("--rows", type=int, default=800_000)
+    parser.add_argument("--cardinality-scale", type=float, default=1.0)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.01, 0.05])
+    parser.add_argument("--batches", type=int, default=39)
+    parser.add_argument("--cache-dir", default=None, help="where the generated data goes (dataset.cache_dir)")
+    parser.add_argument("--record", action="store_true", help="append the rows to BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    if args.batches <= WARM_BATCHES:
+        parser.error(f"--batches must exceed the {WARM_BATCHES} warm-up batches")
+    from bench.record import Load, record
+
+    load_start = Load.now()
+    rows = [measure(args, r) for r in args.ratios]
+    columns = list(rows[0])
+    for row in rows:
+        print("  ".join(f"{c} {row[c]:.3g}" if isinstance(row[c], float) else f"{c} {row[c]:,}" for c in columns))
+    if args.record:
+        command = " ".join(["python -m bench.cache_fill_bench", *(argv if argv is not None else sys.argv[1:])])
+        record("Cache fill: prepare() per batch and its parts (CPU)", columns, rows, command,
+               note=__doc__.split("\n\n")[2].replace("\n", " ") if __doc__ else "",
+               load=Load(load_start, Load.now()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@ TorchFunctionMode and count the results of at least a quarter of the slots
 (in-place results, the cache's own tensors, excluded) in a cache whose
 capacity is 50 times a batch. LRU caches never make one; an LFU cache merges
 its least-used bucket once per eviction pass, which frees evict_chunk slots
-(1/32 of the cache), so that pass is paid for by the slots it frees; a batch
+(1/8 of the cache), so that pass is paid for by the slots it frees; a batch
 that evicts nothing never makes one. The eviction order itself is checked
 against a top-k over every slot.
 """

@@ -29,6 +29,8 @@ from collections import defaultdict
 import torch
 from omegaconf import OmegaConf
 
+from bench.timing import time_calls
+
 WARM_BATCHES = 10
 PARTS = {  # part -> (object path from the group, method)
     "lookup": ("slot_index", "lookup"),
@@ -69,49 +71,45 @@ def group_and_plans(args, ratio: float):
     return group, plans
 
 
-def timed_parts(group) -> dict[str, list[float]]:
-    """Wrap each part's method on its object (this run's group only) to add its seconds to a per-batch list."""
-    seconds: dict[str, list[float]] = defaultdict(list)
-
-    def wrap(owner, method: str, part: str) -> None:
-        inner = getattr(owner, method)
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                seconds[part][-1] += time.perf_counter() - start
-
-        setattr(owner, method, timed)
-
+def timed_parts(group) -> dict[str, float]:
+    """Each part's method on its object (this run's group only) timed: the
+    returned totals grow by the seconds of every call."""
+    totals: dict[str, float] = {}
     for part, (path, method) in PARTS.items():
         owner = getattr(group, path) if path else group
         if owner is not None:
-            wrap(owner, method, part)
-    return seconds
+            time_calls(owner, method, totals, part)
+    return totals
+
+
+def prepare_timed(group, plans, totals: dict[str, float]):
+    """Prepare, step (a zero gradient: the rows dirty, written back on
+    eviction) and release each plan, as a prefetcher whose trainer keeps up;
+    each plan's prepare() seconds, and its parts' seconds by part."""
+    whole, parts = [], defaultdict(list)
+    for plan in plans:
+        before = dict(totals)
+        start = time.perf_counter()
+        group.prepare(plan)
+        whole.append(time.perf_counter() - start)
+        for part in PARTS:
+            parts[part].append(totals.get(part, 0.0) - before.get(part, 0.0))
+        rows = group.gather(plan)
+        group.update(plan, rows, torch.zeros_like(rows))
+        group.release(plan)
+    return whole, parts
 
 
 def measure(args, ratio: float) -> dict:
     group, plans = group_and_plans(args, ratio)
-    seconds = timed_parts(group)
-    totals = []
-    for plan in plans:
-        for part in PARTS:
-            seconds[part].append(0.0)
-        start = time.perf_counter()
-        group.prepare(plan)
-        totals.append(time.perf_counter() - start)
-        rows = group.gather(plan)
-        group.update(plan, rows, torch.zeros_like(rows))  # as a step does: the rows dirty, written back on eviction
-        group.release(plan)
+    whole, parts = prepare_timed(group, plans, timed_parts(group))
     ms = lambda xs: 1000 * statistics.fmean(xs[WARM_BATCHES:])  # noqa: E731
     row = {"cache ratio": ratio, "slots": group.capacity, "ids a batch": int(plans[0].inverse.numel()),
            "unique a batch": round(statistics.fmean(p.unique.numel() for p in plans[WARM_BATCHES:])),
-           "hit rate": group.stats()["hit_rate"], "prepare ms": ms(totals)}
+           "hit rate": group.stats()["hit_rate"], "prepare ms": ms(whole)}
     for part in PARTS:
-        row[f"{part} ms"] = ms(seconds[part])
-    row["other ms"] = ms([t - sum(seconds[p][i] for p in PARTS) for i, t in enumerate(totals)])
+        row[f"{part} ms"] = ms(parts[part])
+    row["other ms"] = ms([t - sum(parts[p][i] for p in PARTS) for i, t in enumerate(whole)])
     return row
 
 

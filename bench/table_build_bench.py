@@ -69,28 +69,14 @@ def build(rows: int, store: str) -> dict:
 
 def stages(rows: int, threads: int) -> None:
     """One disk table built here with its stages timed (module docstring)."""
-    import collections
-
     import torch
 
+    from bench.timing import time_calls
     from recsys_cli.embeddings import quant, table_init
     from recsys_cli.embeddings.disk_store import DiskRowStore
     from recsys_cli.embeddings.table_init import TableSpec
 
-    seconds: dict[str, float] = collections.defaultdict(float)
-
-    def timed(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def run(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - began
-
-        setattr(owner, name, run)
-
+    seconds: dict[str, float] = {}
     for owner, name, label in [
         (table_init, "_draw", "fp32 draw (Mersenne twister, scale)"),
         (DiskRowStore, "_write_initial", "encode and write (below, and the optimizer state)"),
@@ -102,7 +88,7 @@ def stages(rows: int, threads: int) -> None:
         (quant, "_round_", "    round"),
         (DiskRowStore, "_pwrite_range", "  pwrite"),
     ]:
-        timed(owner, name, label)
+        time_calls(owner, name, seconds, label)
     torch.set_num_threads(threads)  # the build's threads (DiskRowStore._build)
     values = rows * DIM
     with tempfile.TemporaryDirectory() as tmp:

@@ -103,8 +103,8 @@ class SlotIndex:
 
     def _as_key(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 query keys in the index's key dtype, so a comparison with stored keys
-        copies nothing; a key above max_key, which no int32 entry can hold, becomes one
-        that no bucket holds (below TOMBSTONE), not its wrapped low bits."""
+        copies nothing; a key beyond int32's range, which no int32 entry holds, becomes
+        one that no bucket holds (below TOMBSTONE), not its wrapped low bits."""
         if self.keys.dtype == torch.int64:
             return keys
         return torch.where(keys > INT32_KEYS_BELOW, TOMBSTONE - 1, keys).to(self.keys.dtype)

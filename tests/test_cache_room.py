@@ -95,7 +95,7 @@ def _watch_index(group: CachedGroup, mode: LargeResults) -> None:
     amortised over as many removals or pushes: not the cache's room search,
     not counted here."""
     watched = [(getattr(group, "slot_index", None), ("lookup", "insert", "remove", "contains", "clear"))]
-    watched += [(order, ("rebuild",)) for order in (group.victims, group.least_used) if order is not None]
+    watched += [(order, ("compact",)) for order in (group.victims, group.least_used) if order is not None]
     for index, names in watched:
         if index is None:
             continue

@@ -21,9 +21,13 @@ chunks added on top (the allocator's peak in the chunk, less what was
 allocated at its start), host<->device bytes per step (the runtime's copy
 counters), the cache hit rate, the synchronisations a step makes
 (torch.cuda.set_sync_debug_mode, counted by call site over one chunk), and
-the validation AUC after the rounds (the same batches for every system),
+the validation AUC (the same batches for every system; at the largest batch
+after each system has trained to the end of its first epoch, else after the
+rounds),
 and the prefetcher's busy share: its seconds in the caches' prepare over the
-chunk's wall time (near 100 %, the prefetcher, not the GPU, sets the pace).
+chunk's wall time (near 100 %, the prefetcher, not the GPU, sets the pace),
+beside the trainer's waits as shares of the chunk: for its next prefetched
+batch, and for the caches' lock, which prepare holds while it works.
 For the lookahead systems at the largest batch, one chunk runs under
 torch.profiler and gives the share of the fill copies' time that compute
 kernels overlapped (bench/gpu_check.py's measure, without its artificial lag).
@@ -107,13 +111,17 @@ class RecsysOnGpu:
         self.system = Recsys(setup, shapes, data, cfg)
         self.trainer = self.system.trainer
         self.batches = self._batches()
+        self.batch_wait = 0.0  # the trainer's seconds waiting for its next (prefetched) batch
 
     def _batches(self):
         while True:
             yield from self.trainer.epoch_batches()
 
     def step(self) -> torch.Tensor:
-        return self.trainer.train_step(next(self.batches))
+        since = time.perf_counter()
+        batch = next(self.batches)
+        self.batch_wait += time.perf_counter() - since
+        return self.trainer.train_step(batch)
 
     def runtimes(self):
         return [self.trainer.runtime, *self.trainer.embeddings.runtimes()]
@@ -132,6 +140,11 @@ class RecsysOnGpu:
         """The prefetcher's seconds in its caches' prepare so far (0 without a cache)."""
         return float(self.trainer.embeddings.stats().get("prepare_seconds", 0.0))
 
+    def trainer_waits(self) -> tuple[float, float]:
+        """The trainer's seconds so far waiting for its next batch, and for the
+        caches' lock (held by the prefetcher's prepare) when it releases a batch."""
+        return self.batch_wait, float(self.trainer.embeddings.stats().get("release_wait_seconds", 0.0))
+
 
 class PeerOnGpu:
     def __init__(self, peer: CudaPlain) -> None:
@@ -147,6 +160,9 @@ class PeerOnGpu:
     def prepare_seconds(self) -> float:
         return 0.0  # no cache, no prefetcher
 
+    def trainer_waits(self) -> tuple[float, float]:
+        return 0.0, 0.0  # its loader's batches are not timed; no cache
+
     def table_device_bytes(self) -> int:
         model = self.peer.model
         tables = sum(t.weight.numel() * t.weight.element_size() for t in model.tables)
@@ -159,7 +175,7 @@ def timed_chunk(system, steps: int) -> dict:
         torch.cuda.synchronize()
         start_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    copied, prepared = system.copy_bytes(), system.prepare_seconds()
+    copied, prepared, waited = system.copy_bytes(), system.prepare_seconds(), system.trainer_waits()
     start = time.perf_counter()
     loss = None
     for _ in range(steps):
@@ -171,7 +187,8 @@ def timed_chunk(system, steps: int) -> dict:
     return {"seconds": seconds, "peak_added": torch.cuda.max_memory_allocated() - start_bytes if cuda else None,
             "h2d": after["host_to_device"] - copied["host_to_device"],
             "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach()),
-            "prepare": system.prepare_seconds() - prepared}
+            "prepare": system.prepare_seconds() - prepared,
+            "waits": [after - before for after, before in zip(system.trainer_waits(), waited)]}
 
 
 def sync_sites(system, steps: int) -> dict[str, int]:
@@ -211,6 +228,21 @@ def fill_overlap_share(system, steps: int, trace: Path) -> dict:
     return {k: got.get(k) for k in ("overlapped_share", "compute_busy_share", "fill_copies", "fill_copy_us", "error")}
 
 
+def val_auc_after_epoch(system: RecsysOnGpu, to_epoch_end: bool) -> dict:
+    """The validation AUC, and the step it was read at: with `to_epoch_end`,
+    after the system has trained to the end of its first epoch (the timing
+    leaves every system at the same early step, where AUC still moves by more
+    than the gap between precisions), else where the timing left it."""
+    trainer = system.trainer
+    if to_epoch_end:
+        while trainer.step < trainer.train_loader.num_batches:
+            system.step()
+    trainer.model.eval()
+    auc = trainer.evaluate("val").get("auc")
+    trainer.model.train()
+    return {"val_auc": auc, "val_auc_step": trainer.step}
+
+
 def run_batch(batch: int, args, out: dict, started: float) -> None:
     setup = Setup(rows=args.rows, cardinality_scale=args.cardinality_scale, batch_size=batch, optimizer="adagrad",
                   lr=0.05)
@@ -242,6 +274,9 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             entry["rates"].append(args.steps * batch / got["seconds"])
             # The prefetcher's share of the chunk's wall time: near 1, it sets the pace (the step waits for it).
             entry.setdefault("prepare_shares", []).append(got["prepare"] / got["seconds"])
+            # The trainer's waits, as shares of the chunk: for a prefetched batch, for the caches' lock.
+            entry.setdefault("batch_wait_shares", []).append(got["waits"][0] / got["seconds"])
+            entry.setdefault("lock_wait_shares", []).append(got["waits"][1] / got["seconds"])
             entry["peak_added_bytes"] = max(entry.get("peak_added_bytes") or 0, got["peak_added"] or 0)
             entry["h2d_bytes_per_step"] = got["h2d"] / args.steps
             entry["d2h_bytes_per_step"] = got["d2h"] / args.steps
@@ -254,7 +289,8 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
         entry = result["systems"][n]
         if entry["rates"]:
             entry["samples_per_second"] = statistics.median(entry["rates"])
-            entry["prepare_share"] = statistics.median(entry["prepare_shares"])
+            for share in ("prepare_share", "batch_wait_share", "lock_wait_share"):
+                entry[share] = statistics.median(entry[share + "s"])
             entry["vs_device"] = entry["samples_per_second"] / base if base else None
         entry["table_device_bytes"] = system.table_device_bytes()
         if isinstance(system, RecsysOnGpu):
@@ -265,9 +301,7 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
                 if not args.dry:
                     entry["syncs_per_chunk"] = sync_sites(system, args.steps)
                     entry["sync_steps"] = args.steps
-                system.trainer.model.eval()
-                entry["val_auc"] = system.trainer.evaluate("val").get("auc")
-                system.trainer.model.train()
+                entry.update(val_auc_after_epoch(system, batch == max(args.batches)))
             if n.startswith("lookahead") and batch == max(args.batches) and not args.dry and \
                     time.perf_counter() - started < args.deadline:
                 entry["fill_overlap"] = fill_overlap_share(system, min(args.steps, 10),
@@ -289,7 +323,8 @@ def write(out: dict, args) -> None:
 
 def table(out: dict) -> str:
     lines = ["| batch | system | samples/s | vs device | table device MiB | chunk peak added MiB | H2D MB/step "
-             "| hit rate | prefetcher busy | syncs/step | val AUC |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hit rate | prefetcher busy | trainer waits: batch / lock | syncs/step | val AUC (at step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, spec: str) -> str:
         return format(v, spec) if isinstance(v, (int, float)) else "-"
@@ -303,8 +338,10 @@ def table(out: dict) -> str:
                      num(mib["table_device_bytes"], ",.0f"), num(mib["peak_added_bytes"], ",.0f"),
                      num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"), num(e.get("hit_rate"), ".3f"),
                      num(e.get("prepare_share"), ".0%") if e.get("hit_rate") is not None else "-",
+                     f"{num(e.get('batch_wait_share'), '.0%')} / {num(e.get('lock_wait_share'), '.0%')}"
+                     if e.get("hit_rate") is not None else "-",
                      num(sum(syncs.values()) / e["sync_steps"], ".1f") if syncs is not None else "-",
-                     num(e.get("val_auc"), ".4f")]
+                     num(e.get("val_auc"), ".4f") + (f" ({e['val_auc_step']})" if "val_auc_step" in e else "")]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

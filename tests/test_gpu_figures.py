@@ -1,6 +1,7 @@
 """bench/gpu_figures.py on CPU (--dry, tiny sizes): every system runs its rounds, and the
 prefetcher's busy share is its work over the chunk's time, never its waits (which once
-read 600-800 %: the seconds a prefetcher waited while the other systems ran)."""
+read 600-800 %: the seconds a prefetcher waited while the other systems ran), and the
+validation AUC is read after one epoch, where the fp32 placements agree exactly."""
 
 from __future__ import annotations
 
@@ -19,5 +20,10 @@ def test_the_figures_run_every_system_and_share_the_prefetchers_time_honestly(tm
         assert len(entry["rates"]) == 2 and entry["samples_per_second"] > 0, name
         if "lookahead" in name:
             assert 0 < entry["prepare_share"] < 1, (name, entry["prepare_shares"])
+            assert 0 <= entry["batch_wait_share"] < 1 and 0 < entry["lock_wait_share"] < 1, (name, entry)
         else:
             assert entry["prepare_share"] == 0, name
+    epoch = {name: entry["val_auc_step"] for name, entry in batch["systems"].items() if name != gpu_figures.PEER}
+    assert set(epoch.values()) == {2400 // 64}, epoch  # 80 % of the rows in training batches of 64
+    aucs = {name: batch["systems"][name]["val_auc"] for name in ("device", "lookahead 5 %", "lookahead 1 %", "host", "uvm")}
+    assert len(set(aucs.values())) == 1 and 0.5 < aucs["device"] < 1, aucs  # exact caching: one model, one AUC

@@ -70,7 +70,7 @@ def test_help_shows_the_defaults_users_get(capsys):
     assert "\n  trainer.batch_size=256\n" in out and "\n  trainer.checkpoint_every=1000\n" in out
     assert "\n  dataset.synthetic.rows=500000\n" in out and "\n  placement.kind=device\n" in out
     out = help_of(["train", "placement=lookahead", "optimizer=adagrad", "trainer.batch_size=64", "--help"], capsys)
-    assert "\n  placement.kind=lookahead\n" in out and "\n  optimizer.lr=0.05\n" in out
+    assert "\n  placement.kind=lookahead\n" in out and "\n  optimizer.lr=0.005\n" in out
     assert "\n  trainer.batch_size=64\n" in out
     groups = out.split("groups (")[1].split("\n\n")[0]
     assert "  placement: " in groups and "device*" in groups and "preprocess" not in groups

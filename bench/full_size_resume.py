@@ -42,8 +42,7 @@ from pathlib import Path
 
 import torch
 
-TIMING = frozenset({"samples_per_second", "prepare_seconds", "prepare_wait_seconds", "release_wait_seconds",
-                    "phase_seconds"})
+TIMING = frozenset({"samples_per_second", "prepare_seconds", "prepare_wait_seconds", "phase_seconds"})
 
 
 def config(args) -> list[str]:

@@ -26,8 +26,8 @@ after each system has trained to the end of its first epoch, else after the
 rounds),
 and the prefetcher's busy share: its seconds in the caches' prepare over the
 chunk's wall time (near 100 %, the prefetcher, not the GPU, sets the pace),
-beside the trainer's waits as shares of the chunk: for its next prefetched
-batch, and for the caches' lock, which prepare holds while it works.
+beside the trainer's wait for its next prefetched batch, as a share of the
+chunk.
 For the lookahead systems at the largest batch, one chunk runs under
 torch.profiler and gives the share of the fill copies' time that compute
 kernels overlapped (bench/gpu_check.py's measure, without its artificial lag).
@@ -140,10 +140,9 @@ class RecsysOnGpu:
         """The prefetcher's seconds in its caches' prepare so far (0 without a cache)."""
         return float(self.trainer.embeddings.stats().get("prepare_seconds", 0.0))
 
-    def trainer_waits(self) -> tuple[float, float]:
-        """The trainer's seconds so far waiting for its next batch, and for the
-        caches' lock (held by the prefetcher's prepare) when it releases a batch."""
-        return self.batch_wait, float(self.trainer.embeddings.stats().get("release_wait_seconds", 0.0))
+    def batch_wait_seconds(self) -> float:
+        """The trainer's seconds so far waiting for its next (prefetched) batch."""
+        return self.batch_wait
 
 
 class PeerOnGpu:
@@ -160,8 +159,8 @@ class PeerOnGpu:
     def prepare_seconds(self) -> float:
         return 0.0  # no cache, no prefetcher
 
-    def trainer_waits(self) -> tuple[float, float]:
-        return 0.0, 0.0  # its loader's batches are not timed; no cache
+    def batch_wait_seconds(self) -> float:
+        return 0.0  # its loader's batches are not timed
 
     def table_device_bytes(self) -> int:
         model = self.peer.model
@@ -175,7 +174,7 @@ def timed_chunk(system, steps: int) -> dict:
         torch.cuda.synchronize()
         start_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    copied, prepared, waited = system.copy_bytes(), system.prepare_seconds(), system.trainer_waits()
+    copied, prepared, waited = system.copy_bytes(), system.prepare_seconds(), system.batch_wait_seconds()
     start = time.perf_counter()
     loss = None
     for _ in range(steps):
@@ -188,7 +187,7 @@ def timed_chunk(system, steps: int) -> dict:
             "h2d": after["host_to_device"] - copied["host_to_device"],
             "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach()),
             "prepare": system.prepare_seconds() - prepared,
-            "waits": [after - before for after, before in zip(system.trainer_waits(), waited)]}
+            "batch_wait": system.batch_wait_seconds() - waited}
 
 
 def sync_sites(system, steps: int) -> dict[str, int]:
@@ -277,9 +276,8 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             entry["rates"].append(args.steps * batch / got["seconds"])
             # The prefetcher's share of the chunk's wall time: near 1, it sets the pace (the step waits for it).
             entry.setdefault("prepare_shares", []).append(got["prepare"] / got["seconds"])
-            # The trainer's waits, as shares of the chunk: for a prefetched batch, for the caches' lock.
-            entry.setdefault("batch_wait_shares", []).append(got["waits"][0] / got["seconds"])
-            entry.setdefault("lock_wait_shares", []).append(got["waits"][1] / got["seconds"])
+            # The trainer's wait for its next prefetched batch, as a share of the chunk.
+            entry.setdefault("batch_wait_shares", []).append(got["batch_wait"] / got["seconds"])
             entry["peak_added_bytes"] = max(entry.get("peak_added_bytes") or 0, got["peak_added"] or 0)
             entry["h2d_bytes_per_step"] = got["h2d"] / args.steps
             entry["d2h_bytes_per_step"] = got["d2h"] / args.steps
@@ -292,7 +290,7 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
         entry = result["systems"][n]
         if entry["rates"]:
             entry["samples_per_second"] = statistics.median(entry["rates"])
-            for share in ("prepare_share", "batch_wait_share", "lock_wait_share"):
+            for share in ("prepare_share", "batch_wait_share"):
                 entry[share] = statistics.median(entry[share + "s"])
             entry["vs_device"] = entry["samples_per_second"] / base if base else None
         entry["table_device_bytes"] = system.table_device_bytes()
@@ -326,7 +324,7 @@ def write(out: dict, args) -> None:
 
 def table(out: dict) -> str:
     lines = ["| batch | system | samples/s | vs device | table device MiB | chunk peak added MiB | H2D MB/step "
-             "| hit rate | prefetcher busy | trainer waits: batch / lock | syncs/step | val AUC (at step) |",
+             "| hit rate | prefetcher busy | trainer waits for a batch | syncs/step | val AUC (at step) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, spec: str) -> str:
@@ -341,8 +339,7 @@ def table(out: dict) -> str:
                      num(mib["table_device_bytes"], ",.0f"), num(mib["peak_added_bytes"], ",.0f"),
                      num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"), num(e.get("hit_rate"), ".3f"),
                      num(e.get("prepare_share"), ".0%") if e.get("hit_rate") is not None else "-",
-                     f"{num(e.get('batch_wait_share'), '.0%')} / {num(e.get('lock_wait_share'), '.0%')}"
-                     if e.get("hit_rate") is not None else "-",
+                     num(e.get("batch_wait_share"), ".0%") if e.get("hit_rate") is not None else "-",
                      num(sum(syncs.values()) / e["sync_steps"], ".1f") if syncs is not None else "-",
                      num(e.get("val_auc"), ".4f") + (f" ({e['val_auc_step']})" if "val_auc_step" in e else "")]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")

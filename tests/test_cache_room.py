@@ -358,26 +358,3 @@ def test_prepare_seconds_count_the_prefetchers_work_and_not_its_wait_for_the_tra
     worked = group.counters["prepare_seconds"] - before["prepare_seconds"]
     assert took >= 0.5 and waited >= 0.45 and worked < 0.25
     assert waited + worked == pytest.approx(took, abs=0.05)
-
-
-def test_release_counts_the_trainers_wait_for_the_lock_prepare_holds():
-    # On a GPU the trainer's host work is short: when it waits for the prefetcher's lock to release
-    # a batch, the GPU figures must be able to say so (bench/gpu_figures.py, "trainer waits").
-    group = _group("lru", lookahead=True, precision="fp32")
-    plan = _plan(torch.arange(BATCH))
-    group.prepare(plan)
-    held = threading.Event()
-
-    def prefetcher_works():
-        with group.cond:
-            held.set()
-            time.sleep(0.3)
-
-    worker = threading.Thread(target=prefetcher_works)
-    worker.start()
-    held.wait()
-    before = group.counters["release_wait_seconds"]
-    group.release(plan)
-    worker.join()
-    assert group.counters["release_wait_seconds"] - before >= 0.25
-    assert group.completed == 1

@@ -234,9 +234,8 @@ class CachedGroup(TableGroup):
         self.counters = dict(hits=0, misses=0, rows_loaded=0, rows_evicted=0, rows_written_back=0,
                            bytes_to_device=0, bytes_to_host=0, not_admitted=0,
                            # prepare's own work, and apart its waits for the trainer (a window's
-                           # batches completed, a write-back's copy off the device); the trainer's
-                           # waits for the lock that prepare holds while it works (release)
-                           prepare_seconds=0.0, prepare_wait_seconds=0.0, release_wait_seconds=0.0)
+                           # batches completed, a write-back's copy off the device)
+                           prepare_seconds=0.0, prepare_wait_seconds=0.0)
         self.use_runtime(runtime_for(dev), side_stream=dev.type == "cuda" and lookahead)
 
     @property
@@ -761,9 +760,7 @@ class CachedGroup(TableGroup):
         if plan.slots is None:
             return
         self._used()  # every read and write of the plan's slots is enqueued before this
-        since = time.perf_counter()
         with self.cond:
-            self.counters["release_wait_seconds"] += time.perf_counter() - since
             if self.pins is not None:
                 self.pins[plan.slots[plan.slots >= 0]] -= 1
             self.inflight -= 1

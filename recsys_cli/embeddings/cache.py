@@ -440,7 +440,9 @@ class CachedGroup(TableGroup):
         plan.batch_index = index
         with self._stream():  # after this batch's fills, on the same stream
             plan.slots_device = self._pinned_to_device(slots)
-            if not self.admit_all:
+            # A low-precision plan whose rows all have slots takes the fp32 path: the
+            # split one waits for the device every step to write the store-served rows.
+            if not self.admit_all and not bool(resident.all()):
                 plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
                 plan.ready = self.runtime.recorded(self.side_stream)
@@ -682,7 +684,7 @@ class CachedGroup(TableGroup):
         """Where the plan's rows are served from, or None when all are cached."""
         if plan.slots is None:
             raise RuntimeError("a cached group's plan was not prepared")
-        return None if self.admit_all else plan.served
+        return plan.served
 
     def gather(self, plan: LookupPlan) -> torch.Tensor:
         slots_dev = plan.slots_device

@@ -110,7 +110,8 @@ class LookupPlan:
     slots: torch.Tensor | None = None  # int64 [n] host: the slot of every unique row (-1: served by the store)
     slots_device: torch.Tensor | None = None  # `slots` on the device
     ready: Event | None = None  # the trainer waits on it before reading the slots (CUDA: a side-stream fill)
-    served: RowSources | None = None  # low-precision caches: which rows come from slots, which from the store
+    # Low-precision caches: which rows come from slots, which from the store (None: all from slots).
+    served: RowSources | None = None
     batch_index: int | None = None  # the batch's index in the cache's sequence (a write's rounding key)
     lookup_counts: tuple[int, int, int] | None = None  # hits, misses, misses not admitted: counted at release
     # Distributed cache_avg evaluation: the current rows of `unique`, read by rank 0 and broadcast.

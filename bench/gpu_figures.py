@@ -7,7 +7,9 @@ Adagrad, lr 0.005) on synthetic data. For each batch size every system is built 
 one process and reads the same batches from its own loader (same seed);
 after a warm-up chunk each, the systems run in rounds, one chunk of
 `--steps` steps each per round (order rotated), timed with the device
-synchronised at both ends. Systems:
+synchronised at both ends. A system with a cache warms up until its cache
+has evicted (full, as in a long run) or --warmup-samples samples have passed;
+a cache that evicted nothing while timed is marked. Systems:
 
   recsys placements  device, lookahead 5 % and 1 %, host, uvm, and int8 /
                      int4 tables behind a lookahead cache (5 % / 1 %)
@@ -140,6 +142,19 @@ class RecsysOnGpu:
         """The prefetcher's seconds in its caches' prepare so far (0 without a cache)."""
         return float(self.trainer.embeddings.stats().get("prepare_seconds", 0.0))
 
+    def rows_evicted(self) -> int | None:
+        """Rows its caches evicted so far (None without a cache)."""
+        return self.trainer.embeddings.stats().get("rows_evicted")
+
+    def warm_up(self, steps: int, samples: int, batch: int) -> int:
+        """`steps` steps, then with a cache more until it has evicted (full: the
+        steady state of a long run) or `samples` samples have passed; the steps taken."""
+        taken = 0
+        while taken < steps or (self.rows_evicted() == 0 and taken * batch < samples):
+            self.step()
+            taken += 1
+        return taken
+
     def batch_wait_seconds(self) -> float:
         """The trainer's seconds so far waiting for its next (prefetched) batch."""
         return self.batch_wait
@@ -159,6 +174,14 @@ class PeerOnGpu:
     def prepare_seconds(self) -> float:
         return 0.0  # no cache, no prefetcher
 
+    def rows_evicted(self) -> int | None:
+        return None
+
+    def warm_up(self, steps: int, samples: int, batch: int) -> int:
+        for _ in range(steps):
+            self.step()
+        return steps
+
     def batch_wait_seconds(self) -> float:
         return 0.0  # its loader's batches are not timed
 
@@ -175,6 +198,7 @@ def timed_chunk(system, steps: int) -> dict:
         start_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     copied, prepared, waited = system.copy_bytes(), system.prepare_seconds(), system.batch_wait_seconds()
+    evicted = system.rows_evicted()
     start = time.perf_counter()
     loss = None
     for _ in range(steps):
@@ -187,7 +211,8 @@ def timed_chunk(system, steps: int) -> dict:
             "h2d": after["host_to_device"] - copied["host_to_device"],
             "d2h": after["device_to_host"] - copied["device_to_host"], "loss": float(loss.detach()),
             "prepare": system.prepare_seconds() - prepared,
-            "batch_wait": system.batch_wait_seconds() - waited}
+            "batch_wait": system.batch_wait_seconds() - waited,
+            "evicted": None if evicted is None else system.rows_evicted() - evicted}
 
 
 def sync_sites(system, steps: int) -> dict[str, int]:
@@ -264,8 +289,11 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
     names = list(systems)
     result = {"batch": batch, "build_seconds": build_seconds, "systems": {n: {"rates": []} for n in names}}
     out["batches"].append(result)
-    for n in names:  # warm-up: allocator, kernels, the prefetchers' first windows
-        timed_chunk(systems[n], args.warmup)
+    for n in names:  # warm-up: allocator, kernels, the prefetchers' first windows, a full cache
+        result["systems"][n]["warmup_steps"] = systems[n].warm_up(args.warmup, args.warmup_samples, batch)
+        result["systems"][n]["evicted_before_timing"] = systems[n].rows_evicted()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     for r in range(args.rounds):
         if time.perf_counter() - started > args.deadline:
             result["stopped"] = f"deadline after round {r}"
@@ -282,6 +310,8 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             entry["h2d_bytes_per_step"] = got["h2d"] / args.steps
             entry["d2h_bytes_per_step"] = got["d2h"] / args.steps
             entry["loss"] = got["loss"]
+            if got["evicted"] is not None:
+                entry["rows_evicted_timed"] = entry.get("rows_evicted_timed", 0) + got["evicted"]
         print(f"  batch {batch} round {r + 1}: " + "  ".join(
             f"{n} {result['systems'][n]['rates'][-1]:,.0f}/s" for n in names), flush=True)
     base = statistics.median(result["systems"]["device"]["rates"]) if result["systems"].get("device", {}).get(
@@ -337,12 +367,14 @@ def table(out: dict) -> str:
                    for k in ("table_device_bytes", "peak_added_bytes")}
             cells = [b["batch"], n, num(e.get("samples_per_second", 0), ",.0f"), num(e.get("vs_device"), ".2f"),
                      num(mib["table_device_bytes"], ",.0f"), num(mib["peak_added_bytes"], ",.0f"),
-                     num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"), num(e.get("hit_rate"), ".3f"),
+                     num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"),
+                     num(e.get("hit_rate"), ".3f") + ("*" if e.get("rows_evicted_timed") == 0 else ""),
                      num(e.get("prepare_share"), ".0%") if e.get("hit_rate") is not None else "-",
                      num(e.get("batch_wait_share"), ".0%") if e.get("hit_rate") is not None else "-",
                      num(sum(syncs.values()) / e["sync_steps"], ".1f") if syncs is not None else "-",
                      num(e.get("val_auc"), ".4f") + (f" ({e['val_auc_step']})" if "val_auc_step" in e else "")]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines.append("\n*: the cache evicted nothing while timed (not yet full; warm-up: --warmup-samples)")
     return "\n".join(lines)
 
 
@@ -354,6 +386,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup-samples", type=int, default=600_000,
+                        help="a cached system warms up until its cache evicts, or this many samples")
     parser.add_argument("--rows", type=int, default=1_500_000)
     parser.add_argument("--cardinality-scale", type=float, default=1.0)
     parser.add_argument("--deadline", type=float, default=240.0, help="seconds after which no new work starts")

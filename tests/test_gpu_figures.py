@@ -1,7 +1,8 @@
 """bench/gpu_figures.py on CPU (--dry, tiny sizes): every system runs its rounds, and the
 prefetcher's busy share is its work over the chunk's time, never its waits (which once
 read 600-800 %: the seconds a prefetcher waited while the other systems ran), and the
-validation AUC is read after one epoch, where the fp32 placements agree exactly."""
+validation AUC is read after one epoch, where the fp32 placements agree exactly; a cache
+is timed once it is full (it has evicted), as in a long run."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def test_the_figures_run_every_system_and_share_the_prefetchers_time_honestly(tm
         if "lookahead" in name:
             assert 0 < entry["prepare_share"] < 1, (name, entry["prepare_shares"])
             assert 0 <= entry["batch_wait_share"] < 1, (name, entry["batch_wait_shares"])
+            assert entry["evicted_before_timing"] > 0, name  # timed full, as in a long run
         else:
             assert entry["prepare_share"] == 0, name
     epoch = {name: entry["val_auc_step"] for name, entry in batch["systems"].items() if name != gpu_figures.PEER}

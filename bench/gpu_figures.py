@@ -304,6 +304,7 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             entry["rates"].append(args.steps * batch / got["seconds"])
             # The prefetcher's share of the chunk's wall time: near 1, it sets the pace (the step waits for it).
             entry.setdefault("prepare_shares", []).append(got["prepare"] / got["seconds"])
+            entry.setdefault("prepare_ms_per_step", []).append(1000 * got["prepare"] / args.steps)
             # The trainer's wait for its next prefetched batch, as a share of the chunk.
             entry.setdefault("batch_wait_shares", []).append(got["batch_wait"] / got["seconds"])
             entry["peak_added_bytes"] = max(entry.get("peak_added_bytes") or 0, got["peak_added"] or 0)
@@ -322,6 +323,7 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             entry["samples_per_second"] = statistics.median(entry["rates"])
             for share in ("prepare_share", "batch_wait_share"):
                 entry[share] = statistics.median(entry[share + "s"])
+            entry["prepare_ms"] = statistics.median(entry["prepare_ms_per_step"])
             entry["vs_device"] = entry["samples_per_second"] / base if base else None
         entry["table_device_bytes"] = system.table_device_bytes()
         if isinstance(system, RecsysOnGpu):
@@ -354,7 +356,7 @@ def write(out: dict, args) -> None:
 
 def table(out: dict) -> str:
     lines = ["| batch | system | samples/s | vs device | table device MiB | chunk peak added MiB | H2D MB/step "
-             "| hit rate | prefetcher busy | trainer waits for a batch | syncs/step | val AUC (at step) |",
+             "| hit rate | prefetcher busy (fill ms/step) | trainer waits for a batch | syncs/step | val AUC (at step) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, spec: str) -> str:
@@ -369,7 +371,8 @@ def table(out: dict) -> str:
                      num(mib["table_device_bytes"], ",.0f"), num(mib["peak_added_bytes"], ",.0f"),
                      num((e.get("h2d_bytes_per_step") or 0) / 1e6, ",.2f"),
                      num(e.get("hit_rate"), ".3f") + ("*" if e.get("rows_evicted_timed") == 0 else ""),
-                     num(e.get("prepare_share"), ".0%") if e.get("hit_rate") is not None else "-",
+                     f"{num(e.get('prepare_share'), '.0%')} ({num(e.get('prepare_ms'), '.1f')} ms)"
+                     if e.get("hit_rate") is not None else "-",
                      num(e.get("batch_wait_share"), ".0%") if e.get("hit_rate") is not None else "-",
                      num(sum(syncs.values()) / e["sync_steps"], ".1f") if syncs is not None else "-",
                      num(e.get("val_auc"), ".4f") + (f" ({e['val_auc_step']})" if "val_auc_step" in e else "")]

@@ -154,7 +154,7 @@ def test_victims_are_the_top_k_over_every_slot(policy):
     chosen = []
     original = group._evict
 
-    def evict(at_least, protected, available):
+    def evict(at_least, protected, available, first):
         resident = group.row_of_slot >= 0
         evictable = resident & ~torch.isin(torch.arange(group.capacity), protected)
         assert available == int(evictable.sum())
@@ -163,7 +163,7 @@ def test_victims_are_the_top_k_over_every_slot(policy):
                           torch.iinfo(torch.int64).max)
         chosen.append(torch.sort(torch.topk(key, count, largest=False).indices).values)
         before = group.row_of_slot.clone()
-        leaving = original(at_least, protected, available)
+        leaving = original(at_least, protected, available, first)
         freed = torch.nonzero((before >= 0) & (group.row_of_slot < 0)).flatten()
         assert torch.equal(freed, chosen[-1])
         return leaving

@@ -98,8 +98,12 @@ Ordering is by events, through the device runtime (device.py), so CPU tests
 check it with a recording runtime: every reader of a slot waits for its fill
 (gather on plan.ready, read() and snapshots on the last fill, recorded with
 the lock held, when the slot map is published), and every load or write-back
-of a slot waits for its last use on the compute stream (`last_use`: recorded
-at release and by write_slots, which cache_avg's averages go through). The
+of a slot waits for its last use on the compute stream: the release of the
+last batch before the prepare's protected window (no batch from there on uses
+the slot), and the last write_slots, which cache_avg's averages go through
+(with cache_avg's hold, the newest use of any kind). Waiting for the newest
+release instead made every evicting prepare wait for the GPU to finish the
+step it was computing. The
 step indexes device tensors only with index tensors built on the host in
 prepare: a boolean mask on a CUDA tensor is a nonzero, a device sync.
 """
@@ -125,6 +129,7 @@ from recsys_cli.embeddings.window_protection import UNSET, WindowProtection
 from recsys_cli.errors import UserError
 
 if TYPE_CHECKING:
+    from recsys_cli.embeddings.plan import Event
     from recsys_cli.embeddings.protocols import CachedGroupProtocol, RowHold
 
 DEBUG = os.environ.get("RECSYS_DEBUG", "") not in ("", "0")
@@ -280,6 +285,11 @@ class CachedGroup(TableGroup):
         self.runtime = runtime
         self.side_stream = runtime.new_stream() if side_stream else None
         self.last_use = None  # the compute stream's last read or write of slots
+        # (batch, event recorded at its release), newest last: what a slot that no batch
+        # from `first` on uses must wait for before a load or write-back (_last_uses)
+        self.released: collections.deque[tuple[int, Event]] = collections.deque()
+        self.free_after: tuple[int, Event] | None = None  # the latest release a free slot's last use precedes
+        self.last_write = None  # write_slots' last write (cache_avg's averages), outside any batch
         self.last_fill = None  # the side stream's last fill
         # Host rows go to the device through pinned buffers: one pair for fills
         # (prefetch thread), one for rows the store serves in the step (trainer).
@@ -320,10 +330,38 @@ class CachedGroup(TableGroup):
         if self.last_fill is not None:
             self.runtime.current_stream().wait_event(self.last_fill)
 
-    def _used(self) -> None:
+    def _used(self) -> Event | None:
         """The compute stream just read or wrote slots: later loads and write-backs wait for it."""
-        if self.side_stream is not None:
-            self.last_use = self.runtime.recorded()
+        if self.side_stream is None:
+            return None
+        used = self.runtime.recorded()
+        self.last_use = used
+        return used
+
+    def _release_before(self, first: int) -> tuple[int, Event] | None:
+        """(Lock held.) The newest release of a batch before `first`."""
+        before = None
+        for released in self.released:
+            if released[0] >= first:
+                break
+            before = released
+        return before
+
+    def _last_uses(self, first: int, free: bool = False) -> list:
+        """(Lock held.) The events a write-back of, or a load into, slots that no
+        batch from `first` on uses waits for: the release of batch first - 1 (their
+        rows' last step: batches before `first` are completed), the last
+        write_slots, and for slots freed by earlier prepares (`free`) the release
+        their eviction waited for; not the newest release. A prefetcher a window
+        ahead then never waits for the step the device is computing now (waiting
+        for it made every evicting prepare wait for the GPU to drain). With a
+        hold (cache_avg) rows outlive their batches: the newest use of any kind."""
+        if self.row_hold is not None:
+            return [self.last_use] if self.last_use is not None else []
+        before = self._release_before(first)
+        if free and self.free_after is not None and (before is None or self.free_after[0] > before[0]):
+            before = self.free_after
+        return [e for e in (before and before[1], self.last_write) if e is not None]
 
     # --- filling -------------------------------------------------------------
     def prepare(self, plan: LookupPlan) -> "Fill":
@@ -368,8 +406,9 @@ class CachedGroup(TableGroup):
                     self.last_window, protected, available = self._make_room(
                         index, slots[hit], need - self.num_free, unique)
             leaving = None  # evicted dirty rows: (copied event, rows, values, state) for the store
+            first = self._first_unsafe(index - self.last_window)  # no batch from here on uses a victim
             if need > self.num_free:
-                leaving = self._evict(need - self.num_free, protected, available)
+                leaving = self._evict(need - self.num_free, protected, available, first)
             self.num_free -= need
             new_slots = self.free_slots[self.num_free : self.num_free + need].to(torch.int64)  # a copy
             arriving = misses[admitted]
@@ -405,7 +444,7 @@ class CachedGroup(TableGroup):
                 self.cond.notify_all()
             raise
         with self.cond:
-            self._load(arriving, new_slots, values)
+            self._load(arriving, new_slots, values, first)
             self.moving = False
             self.cond.notify_all()
             loaded = torch.nonzero(~hit).flatten()[admitted]
@@ -429,6 +468,8 @@ class CachedGroup(TableGroup):
             self.prepared += 1
             self.history.append((index, slots[resident], unique[~resident]))
             self._prune_history(index + 1 - self.window)
+            while len(self.released) > 1 and self.released[1][0] < index + 1 - self.window:
+                self.released.popleft()  # a later prepare's `first` is at least index + 1 - window
             n_hit = int(hit.sum())
             # Counted when the batch is released, not here: the prefetcher runs
             # ahead by however far thread timing lets it, and metrics.jsonl's
@@ -603,7 +644,7 @@ class CachedGroup(TableGroup):
         admitted[torch.argsort(uses, descending=True, stable=True)[: self.num_free]] = True
         return admitted
 
-    def _evict(self, at_least: int, protected: torch.Tensor, available: int):
+    def _evict(self, at_least: int, protected: torch.Tensor, available: int, first: int):
         """Free at least `at_least` of the `available` unprotected resident
         slots (a chunk, to amortise the search), by policy, ties broken by slot;
         returns the dirty ones' write-back for the store (_write_back)."""
@@ -612,7 +653,10 @@ class CachedGroup(TableGroup):
         if self.debug:
             assert victims.numel() == count, "the victim order lost slots"
             assert self.pins is not None and bool((self.pins[victims] == 0).all()), "evicting a slot a batch in flight holds"
-        leaving = self._write_back(victims[self.dirty[victims]])
+        leaving = self._write_back(victims[self.dirty[victims]], first)
+        freed = self._release_before(first)  # the victims' last step: loads into them wait for it
+        if freed is not None and (self.free_after is None or freed[0] > self.free_after[0]):
+            self.free_after = freed
         self.slot_index.remove(self.row_of_slot[victims])
         self.row_of_slot[victims] = -1
         self.score[victims] = 0
@@ -624,7 +668,7 @@ class CachedGroup(TableGroup):
     def _stream(self):
         return self.runtime.use_stream(self.side_stream) if self.side_stream is not None else contextlib.nullcontext()
 
-    def _write_back(self, slots: torch.Tensor):
+    def _write_back(self, slots: torch.Tensor, first: int):
         """(copied, rows, values, state) of dirty `slots`, or None: their copy
         off the device is enqueued here (under the lock, without waiting for
         it); prepare() waits for the event `copied` after releasing the lock,
@@ -633,8 +677,8 @@ class CachedGroup(TableGroup):
             return None
         staging = self.back_staging or (None, None)
         with self._stream():
-            if self.side_stream is not None and self.last_use is not None:
-                self.side_stream.wait_event(self.last_use)  # after the last write of these slots (updates, averages)
+            for used in self._last_uses(first) if self.side_stream is not None else ():
+                self.side_stream.wait_event(used)  # after the last write of these slots (updates, averages)
             dev_slots = self._pinned_to_device(slots)
             rows = self._off_device(self.cache_rows.index_select(0, dev_slots), staging[0])
             state = self._off_device(self.cache_state.index_select(0, dev_slots), staging[1])
@@ -658,7 +702,7 @@ class CachedGroup(TableGroup):
             return t
         return self.runtime.to_host(t)
 
-    def _load(self, rows: torch.Tensor, slots: torch.Tensor, read) -> None:
+    def _load(self, rows: torch.Tensor, slots: torch.Tensor, read, first: int) -> None:
         """Put `rows` (their store values and state, `read`) into reserved `slots` and publish them."""
         if rows.numel() == 0:
             return
@@ -666,8 +710,8 @@ class CachedGroup(TableGroup):
         staging = self.fill_staging or (None, None)
         # The range names the fill copies in a profiler trace (bench/gpu_check.py's overlap stage).
         with torch.profiler.record_function("lookahead_fill"), self._stream():
-            if self.side_stream is not None and self.last_use is not None:
-                self.side_stream.wait_event(self.last_use)  # the slots' previous rows are no longer read
+            for used in self._last_uses(first, free=True) if self.side_stream is not None else ():
+                self.side_stream.wait_event(used)  # the slots' previous rows are no longer read
             dev_slots = self._pinned_to_device(slots)
             self.cache_rows.index_copy_(0, dev_slots, self._to_device(values, staging[0]))
             self.cache_state.index_copy_(0, dev_slots, self._to_device(state, staging[1]))
@@ -740,7 +784,7 @@ class CachedGroup(TableGroup):
         dev = self._pinned_to_device(slots)
         self.cache_rows.index_copy_(0, dev, rows)
         self.cache_state.index_copy_(0, dev, state)
-        self._used()
+        self.last_write = self._used()
         if dirty:
             with self.cond:
                 self.dirty[slots] = True
@@ -761,8 +805,10 @@ class CachedGroup(TableGroup):
     def release(self, plan: LookupPlan) -> None:
         if plan.slots is None:
             return
-        self._used()  # every read and write of the plan's slots is enqueued before this
+        used = self._used()  # every read and write of the plan's slots is enqueued before this
         with self.cond:
+            if used is not None and plan.batch_index is not None:
+                self.released.append((plan.batch_index, used))
             if self.pins is not None:
                 self.pins[plan.slots[plan.slots >= 0]] -= 1
             self.inflight -= 1
@@ -896,6 +942,7 @@ class CachedGroup(TableGroup):
                 if order is not None:
                     order.rebuild(resident)
             self.counters.update(saved["stats"])
+            self.last_write = self._used()  # the restored rows: loads and write-backs come after
             if self.debug:
                 self.check_ownership()
             return True
@@ -917,6 +964,10 @@ class CachedGroup(TableGroup):
             if self.least_used is not None:
                 self.least_used.clear()
             self.history.clear()
+            # Batch numbers may restart (a restore): every earlier use, one event.
+            self.released.clear()
+            self.free_after = None
+            self.last_write = self._used()
             if self.row_hold is not None:
                 self.row_hold.restart(self.completed)
 

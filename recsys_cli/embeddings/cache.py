@@ -289,7 +289,7 @@ class CachedGroup(TableGroup):
         # from `first` on uses must wait for before a load or write-back (_last_uses)
         self.released: collections.deque[tuple[int, Event]] = collections.deque()
         self.free_after: tuple[int, Event] | None = None  # the latest release a free slot's last use precedes
-        self.last_write = None  # write_slots' last write (cache_avg's averages), outside any batch
+        self.last_write: Event | None = None  # write_slots' last write (cache_avg's averages), outside any batch
         self.last_fill = None  # the side stream's last fill
         # Host rows go to the device through pinned buffers: one pair for fills
         # (prefetch thread), one for rows the store serves in the step (trainer).

@@ -24,8 +24,8 @@ allocated at its start), host<->device bytes per step (the runtime's copy
 counters), the cache hit rate, the synchronisations a step makes
 (torch.cuda.set_sync_debug_mode, counted by call site over one chunk), and
 the validation AUC (the same batches for every system; at the largest batch
-after each system has trained to the end of its first epoch, else after the
-rounds),
+after each system has trained to the same epoch's end, the first that none
+has passed, else after the rounds),
 and the prefetcher's busy share: its seconds in the caches' prepare over the
 chunk's wall time (near 100 %, the prefetcher, not the GPU, sets the pace),
 beside the trainer's wait for its next prefetched batch, as a share of the
@@ -163,7 +163,12 @@ class RecsysOnGpu:
 class PeerOnGpu:
     def __init__(self, peer: CudaPlain) -> None:
         self.peer = peer
-        self.batches = iter(peer.loader())
+        self.batches = self._batches()
+
+    def _batches(self):
+        loader = self.peer.loader()
+        while True:  # the rounds may pass an epoch's end: the batches go on
+            yield from loader
 
     def step(self) -> torch.Tensor:
         return self.peer.step(next(self.batches))
@@ -252,15 +257,22 @@ def fill_overlap_share(system, steps: int, trace: Path) -> dict:
     return {k: got.get(k) for k in ("overlapped_share", "compute_busy_share", "fill_copies", "fill_copy_us", "error")}
 
 
-def val_auc_after_epoch(system: RecsysOnGpu, to_epoch_end: bool) -> dict:
-    """The validation AUC, and the step it was read at: with `to_epoch_end`,
-    after the system has trained to the end of its first epoch (the timing
-    leaves every system at the same early step, where AUC still moves by more
-    than the gap between precisions), else where the timing left it."""
+def epoch_end_after(systems) -> int:
+    """The first end of an epoch that no system has passed."""
+    systems = list(systems)
+    per_epoch = systems[0].trainer.train_loader.num_batches
+    return per_epoch * max(1, -(-max(s.trainer.step for s in systems) // per_epoch))
+
+
+def val_auc_at(system: RecsysOnGpu, step: int | None) -> dict:
+    """The validation AUC, and the step it was read at: after the system has
+    trained to `step` (an epoch's end: the timing leaves the systems at early
+    steps, where AUC still moves by more than the gap between precisions, and
+    at different ones, since a cache warms up until it is full), else where
+    the timing left it."""
     trainer = system.trainer
-    if to_epoch_end:
-        while trainer.step < trainer.train_loader.num_batches:
-            system.step()
+    while step is not None and trainer.step < step:
+        system.step()
     trainer.model.eval()
     auc = trainer.evaluate("val").get("auc")
     trainer.model.train()
@@ -330,13 +342,18 @@ def run_batch(batch: int, args, out: dict, started: float) -> None:
             stats = system.trainer.embeddings.stats()
             entry["hit_rate"] = stats.get("hit_rate")
             entry["group_bytes_to_device"] = stats.get("bytes_to_device")
-            if time.perf_counter() - started < args.deadline:
-                if not args.dry:
-                    entry["syncs_per_chunk"] = sync_sites(system, args.steps)
-                    entry["sync_steps"] = args.steps
-                entry.update(val_auc_after_epoch(system, batch == max(args.batches)))
-            if n.startswith("lookahead") and batch == max(args.batches) and not args.dry and \
-                    time.perf_counter() - started < args.deadline:
+            if time.perf_counter() - started < args.deadline and not args.dry:
+                entry["syncs_per_chunk"] = sync_sites(system, args.steps)
+                entry["sync_steps"] = args.steps
+    recsys = {n: system for n, system in systems.items() if isinstance(system, RecsysOnGpu)}
+    # One step for every system's AUC: at the largest batch the end of the epoch the furthest has reached.
+    at_step = epoch_end_after(recsys.values()) if batch == max(args.batches) else None
+    for n, system in recsys.items():
+        entry = result["systems"][n]
+        if time.perf_counter() - started < args.deadline:
+            entry.update(val_auc_at(system, at_step))
+        if n.startswith("lookahead") and batch == max(args.batches) and not args.dry and \
+                time.perf_counter() - started < args.deadline:
                 entry["fill_overlap"] = fill_overlap_share(system, min(args.steps, 10),
                                                            Path(args.out) / f"trace-{batch}.json")
     write(out, args)
@@ -389,7 +406,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--warmup-samples", type=int, default=600_000,
+    parser.add_argument("--warmup-samples", type=int, default=400_000,
                         help="a cached system warms up until its cache evicts, or this many samples")
     parser.add_argument("--rows", type=int, default=1_500_000)
     parser.add_argument("--cardinality-scale", type=float, default=1.0)

@@ -11,7 +11,8 @@ largest group has 34M rows), else int64. That is 16 bytes per slot
 (24 with int64 keys; index_bytes), never anything per table row.
 
 Every operation is vectorised over a batch of keys: a probe round reads a
-window of _WINDOW buckets for every still-unresolved key at once, and the
+window of _WINDOW buckets for every still-unresolved key at once (a lookup
+reads each key's home bucket alone first), and the
 rounds stop when none is left, so the Python loop runs once or twice per
 call, never once per id (a batch's prepare makes three such calls: its
 cost is the number of torch ops, not their size).
@@ -143,28 +144,28 @@ class SlotIndex:
         return word != 0, (torch.frexp(lowest.to(torch.float64)).exponent.to(torch.int64) - 1) >> 3
 
     def _find(self, keys: torch.Tensor) -> torch.Tensor:
-        """The bucket holding each key, -1 where it is absent. Probes a window
-        of _WINDOW buckets per round: at a quarter full nearly every chain
-        ends inside the first window, so one round resolves almost all keys."""
-        found = None
-        at = None  # batch positions still probing (None: all of them)
+        """The bucket holding each key, -1 where it is absent. Most keys end
+        at their home bucket (found there, or an empty one ends the chain),
+        so a first round reads that one bucket a key; the rest probe a window
+        of _WINDOW buckets a round from the bucket after it. Reading the home
+        alone first took the lookups of a batch of 16384 from 7.5-8.2 to
+        5.9-6.3 ms at a 1 % cache of Kaggle's tables, from 7.3-7.5 to 4.3-4.5
+        at 5 % (bench/cache_fill_bench.py, one compute thread)."""
         want = self._as_key(keys)
         pos = self._home(keys)
-        while True:
+        home = self.keys.index_select(0, pos)
+        found = torch.where(home == want, pos, -1)
+        at = torch.nonzero((home != want) & (home != EMPTY)).flatten()  # batch positions still probing
+        want, pos = want.index_select(0, at), (pos.index_select(0, at) + 1) % self.num_buckets
+        while at.numel():
             seen = self._window(pos)
             ended, first = self._first((seen == want.unsqueeze(1)) | (seen == EMPTY))  # an empty bucket ends the chain; a tombstone does not
             end = (pos + first) % self.num_buckets
-            result = torch.where(self.keys.index_select(0, end) == want, end, -1)
-            if found is None or at is None:  # the first round (both are set after it)
-                found = result
-            else:
-                found.index_copy_(0, at, result)
+            found.index_copy_(0, at, torch.where(self.keys.index_select(0, end) == want, end, -1))
             going = torch.nonzero(~ended).flatten()
-            if going.numel() == 0:
-                return found
-            at = going if at is None else at.index_select(0, going)
-            want = want.index_select(0, going)
+            at, want = at.index_select(0, going), want.index_select(0, going)
             pos = (pos.index_select(0, going) + _WINDOW) % self.num_buckets
+        return found
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """int64 values of `keys` (any shape), -1 where a key is absent."""

@@ -380,14 +380,14 @@ class CachedGroup(TableGroup):
             self._wait_completed(index - self.window)  # the prefetcher runs at most `window` batches ahead
             slots = self.slot_index.lookup(unique)
             hit = slots >= 0
-            misses = unique[~hit]
+            miss_at = torch.nonzero(~hit).flatten()  # positions, not masks: a batch indexes with them several times
+            misses = unique.index_select(0, miss_at)
             if self.row_uses is not None:
                 self.row_uses[unique] += 1
             need = misses.numel()
             protected, available = None, 0  # slots this batch may not evict, and how many it may
             if not self.admit_all:  # low precision: rows without a slot are served by the store
                 self.last_window = self.window
-                admitted = torch.zeros(need, dtype=torch.bool)
                 candidates = torch.nonzero(~torch.isin(misses, self._locked(index, self.window))).flatten()
                 chosen = torch.ones(candidates.numel(), dtype=torch.bool)
                 if candidates.numel() > self.num_free:  # not room for all in free slots: evict or turn away
@@ -397,10 +397,10 @@ class CachedGroup(TableGroup):
                         chosen = self._admit(misses[candidates], protected, available)
                     room = self.num_free + available
                     chosen[torch.nonzero(chosen).flatten()[room:]] = False  # beyond the room: the store this step
-                admitted[candidates[chosen]] = True
-                need = int(chosen.sum())
+                admitted = candidates[chosen]  # positions in misses, ascending
+                need = admitted.numel()
             else:
-                admitted = torch.ones(need, dtype=torch.bool)
+                admitted = None  # every miss
                 self.last_window = self.window
                 if need > self.num_free:
                     self.last_window, protected, available = self._make_room(
@@ -411,7 +411,7 @@ class CachedGroup(TableGroup):
                 leaving = self._evict(need - self.num_free, protected, available, first)
             self.num_free -= need
             new_slots = self.free_slots[self.num_free : self.num_free + need].to(torch.int64)  # a copy
-            arriving = misses[admitted]
+            arriving = misses if admitted is None else misses.index_select(0, admitted)
             if self.debug:
                 assert not bool(self.slot_index.contains(arriving).any()), "loading a row that already has a slot"
             self.moving = True
@@ -447,12 +447,13 @@ class CachedGroup(TableGroup):
             self._load(arriving, new_slots, values, first)
             self.moving = False
             self.cond.notify_all()
-            loaded = torch.nonzero(~hit).flatten()[admitted]
-            miss_slots = torch.full((misses.numel(),), -1, dtype=torch.int64)
-            miss_slots[admitted] = new_slots
-            slots[~hit] = miss_slots
-            resident = slots >= 0
-            held = slots[resident]
+            loaded = miss_at if admitted is None else miss_at.index_select(0, admitted)
+            slots.index_copy_(0, loaded, new_slots)  # the misses not admitted keep the lookup's -1
+            if admitted is None:  # every row has a slot
+                held, served_rows = slots, unique[:0]
+            else:
+                resident = slots >= 0
+                held, served_rows = slots[resident], unique[~resident]
             if self.pins is not None:
                 self.pins[held] += 1
             self._tick()
@@ -463,14 +464,14 @@ class CachedGroup(TableGroup):
                 self.score[held] += 1
                 self.victims.push(held, self.score[held])
             if self.least_used is not None:
-                self.least_used.push(held, self.row_uses[unique[resident]].to(torch.int64))
+                self.least_used.push(held, self.row_uses[unique[slots >= 0]].to(torch.int64))
             self.inflight += 1
             self.prepared += 1
-            self.history.append((index, slots[resident], unique[~resident]))
+            self.history.append((index, held, served_rows))  # tensors no one changes
             self._prune_history(index + 1 - self.window)
             while len(self.released) > 1 and self.released[1][0] < index + 1 - self.window:
                 self.released.popleft()  # a later prepare's `first` is at least index + 1 - window
-            n_hit = int(hit.sum())
+            n_hit = unique.numel() - misses.numel()
             # Counted when the batch is released, not here: the prefetcher runs
             # ahead by however far thread timing lets it, and metrics.jsonl's
             # hit rate must be a function of the batches trained.
@@ -483,7 +484,7 @@ class CachedGroup(TableGroup):
             plan.slots_device = self._pinned_to_device(slots)
             # A low-precision plan whose rows all have slots takes the fp32 path: the
             # split one waits for the device every step to write the store-served rows.
-            if not self.admit_all and not bool(resident.all()):
+            if served_rows.numel():
                 plan.served = self._served(plan.unique, slots)
             if self.side_stream is not None:
                 plan.ready = self.runtime.recorded(self.side_stream)

@@ -287,10 +287,13 @@ def test_an_event_another_thread_waits_on_is_recorded_before_it_is_published():
 def test_an_evaluations_reads_copy_through_pinned_buffers():
     """Evaluation reads rows with group.read: a host table's rows and a cache's
     misses go to the device through pinned staging, never as a pageable
-    (synchronous) copy."""
-    for placement in ({"kind": "host"}, {"kind": "cache", "cache_rows": 150}, {"kind": "lookahead", "cache_rows": 150,
-                                                                               "window": 1}):
-        model, _ = build(placement, optimizer="adagrad")
+    (synchronous) copy; so do a low-precision cache's dirty rows, to the host
+    and back, rounded as a checkpoint rounds them (CachedGroup._as_saved)."""
+    lookahead = {"kind": "lookahead", "cache_rows": 150, "window": 1}
+    for placement, precision in (({"kind": "host"}, None), ({"kind": "cache", "cache_rows": 150}, None),
+                                 (lookahead, None), ({"kind": "cache", "cache_rows": 150}, {"kind": "int8"}),
+                                 (lookahead, {"kind": "int4"})):
+        model, _ = build(placement, precision, optimizer="adagrad")
         group = model.embeddings.groups[0]
         runtime = RecordingRuntime()
         group.use_runtime(runtime, **({"side_stream": True} if isinstance(group, CachedGroup) else {}))
@@ -299,11 +302,17 @@ def test_an_evaluations_reads_copy_through_pinned_buffers():
             if isinstance(group, CachedGroup):
                 group.prepare(batch.plans[0])
             _step_any(model, batch)
+        if precision is not None:
+            assert bool(group.dirty.any())
+            before = runtime.copies["device_to_host_pinned"]
         with torch.no_grad():
             for batch in make_batches(2, seed=5):
                 model.embeddings(model.embeddings.plan_batch(batch))  # not recording: group.read
         assert runtime.copies["host_to_device_pageable"] == 0, (placement, runtime.pageable_sites)
+        assert runtime.copies["device_to_host_pageable"] == 0, (placement, runtime.pageable_sites)
         assert runtime.copies["host_to_device_pinned"] > 0
+        if precision is not None:  # the dirty rows went to the host to be rounded
+            assert runtime.copies["device_to_host_pinned"] > before
 
 
 def _step_any(model, batch) -> None:

@@ -122,6 +122,7 @@ import torch
 
 from recsys_cli.device import PinnedStaging, runtime_for
 from recsys_cli.embeddings.plan import Fill, LookupPlan, RowSources
+from recsys_cli.embeddings.quant import decode_saved
 from recsys_cli.embeddings.slot_index import SlotIndex, key_dtype
 from recsys_cli.embeddings.slot_order import SlotOrder
 from recsys_cli.embeddings.tables import TableGroup
@@ -847,9 +848,29 @@ class CachedGroup(TableGroup):
                 rows.index_copy_(0, self._pinned_to_device(miss_at), from_store)
             if hit_at.numel():
                 self._wait_fills()
-                rows.index_copy_(0, self._pinned_to_device(hit_at),
-                                 self.cache_rows.index_select(0, self._pinned_to_device(slots[hit_at])))
+                cached = self.cache_rows.index_select(0, self._pinned_to_device(slots[hit_at]))
+                if self.store.precision != "fp32":
+                    cached = self._as_saved(ids[hit_at.to(ids.device)], slots[hit_at], cached)
+                rows.index_copy_(0, self._pinned_to_device(hit_at), cached)
             return rows
+
+    def _as_saved(self, ids: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """(Lock held.) fp32 `values` of the resident rows `ids` (in `slots`) as a
+        checkpoint of this moment saves them: the dirty ones rounded into the
+        table's precision as _snapshot_patch rounds them, the others as their
+        store copy already decodes. An evaluation then scores the model the run
+        saves, so `recsys evaluate` on its checkpoint gives the run's figures."""
+        dirty_at = torch.nonzero(self.dirty[slots]).flatten()
+        if dirty_at.numel() == 0:
+            return values
+        staging = self.step_staging and self.step_staging[0]  # the trainer's: evaluations run on its thread
+        on_host = self._off_device(values.index_select(0, self._pinned_to_device(dirty_at)), staging)
+        if staging is not None:  # an asynchronous copy into the pinned buffer: wait for it before reading
+            self.runtime.recorded().synchronize()
+        encoded = self.store.encode(self._to_store_device(ids[dirty_at.to(ids.device)]), on_host, SNAPSHOT_STEP)
+        rounded = decode_saved({"precision": self.store.precision, **encoded}, self.dim)
+        values.index_copy_(0, self._pinned_to_device(dirty_at), self._to_device(rounded, staging))
+        return values
 
     # --- whole tables ------------------------------------------------------------
     def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:

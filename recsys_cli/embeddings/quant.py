@@ -379,8 +379,8 @@ def decode_saved(saved: dict, dim: int) -> torch.Tensor:
     rows = make_rows(torch.zeros(0, dim), saved["precision"])
     for k in rows.tensors():
         setattr(rows, k, saved[k])
-    n = next(iter(rows.tensors().values())).shape[0]
-    return rows.read(torch.arange(n))
+    first = next(iter(rows.tensors().values()))
+    return rows.read(torch.arange(first.shape[0], device=first.device))
 
 
 

@@ -52,7 +52,10 @@ def version_line() -> str:
 def main(argv: list[str] | None = None) -> None:
     entry_point = argv is None  # the `recsys` script (tests pass argv when they call main() in their process)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # no command: a usage error, as for an unknown one (a script that forgot it must not pass)
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     if argv[0] in ("-V", "--version"):

@@ -63,6 +63,13 @@ def test_every_command_has_help(command, flag, capsys):
             assert description.split()[0] in keys[at:at + len(line) + 120], (key, description)
 
 
+def test_recsys_alone_prints_the_usage_and_fails(capsys):
+    """No command is a usage error (exit 2, usage on stderr); --help is not."""
+    code, out, err = in_process_output([], capsys)
+    assert code == 2 and not out and err.startswith("usage: recsys COMMAND")
+    assert help_of(["--help"], capsys).startswith("usage: recsys COMMAND")
+
+
 def test_help_shows_the_defaults_users_get(capsys):
     """The composed defaults (the schema's, with the options given before
     --help), not a second copy of them."""

@@ -11,6 +11,8 @@
   the Python blocks too. The Kaggle tutorial runs in `make test` and its
   run's summary.json fields are all named in reference/run-directory.md; the
   first-run tutorial (five trainings) in `make verify`.
+* The end-of-run table the README's quick start and the first-run tutorial
+  show is, but for its timings and peak RSS, what `recsys train` prints today.
 * Links between the pages resolve, every source file they name exists, and
   every figure of the README's headline table is in BENCHMARKS.md's
   current-figures table.
@@ -218,6 +220,41 @@ def test_every_current_figure_command_names_a_benchmark_that_exists():
             assert live[0] == "recsys", row
         checked += 1
     assert checked >= 20
+
+
+# --- the default run's table the pages show -----------------------------------------------------
+SUMMARY_PAGES = (ROOT / "README.md", DOCS / "tutorials" / "first-run.md")
+# The rows a run's timings and memory fill (the second line of the samples/s row has no value).
+VOLATILE = ("samples/s", "without eval and checkpoints", "wall clock", "seconds:", "peak host RSS")
+
+
+def summary_rows(text: str) -> list[tuple[str, str]]:
+    """(what, value) of each row of the first `recsys train: summary` table in text, less VOLATILE's."""
+    table = text[text.index("recsys train: summary"):].split("└", 1)[0]  # up to the bottom border
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("│"):
+            what, value = (cell.strip() for cell in line.strip().strip("│").split("│"))
+            if not what.startswith(VOLATILE):
+                rows.append((what, value))
+    return rows
+
+
+def test_the_default_run_the_pages_show_is_what_train_prints_today(tmp_path):
+    """The README's quick start (`make train`: `recsys train` at the defaults) and
+    the first-run tutorial show the end-of-run table, and say every figure but
+    the timings and the peak RSS is the same on every run: one run at the
+    defaults (the built-in dataset generated afresh; 10-20 s on 2 cores) must
+    print those rows as the pages show them. A change that moves a metric's
+    last digit updates the pages with the run's output."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"}
+    done = subprocess.run([RECSYS, "train", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = summary_rows(done.stdout)
+    assert len(printed) >= 10
+    for page in SUMMARY_PAGES:
+        assert summary_rows(page_text(page)) == printed, f"{page.name}'s table is not what `recsys train` prints"
 
 
 # --- the tutorials run ------------------------------------------------------------------------

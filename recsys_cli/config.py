@@ -181,7 +181,8 @@ class PlacementConfig:
     cache_ratio: float = 0.05  # lookahead/cache/disk: the device cache's share of all rows
     window: int = 4  # lookahead: batches prefetched ahead of the trainer
     policy: CachePolicy = CachePolicy.lru  # the cache's victim policy: lru | lfu
-    # Per-table placement: {table name: placement}, applied after the size rule.
+    # Per-table placement: {table name: placement}, applied after the size rule;
+    # a table is added with +placement.overrides.C3=disk (the + adds a key).
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
     device_max_rows: Optional[int] = None

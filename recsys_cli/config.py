@@ -293,7 +293,8 @@ class TrainerConfig:
     threads: Optional[int] = None
     loader_queue_depth: int = 8  # batches the background loader may hold ready
     # metrics.jsonl is always written; tensorboard also writes the same scalars
-    # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
+    # as TensorBoard events in <run dir>/tensorboard (pip install tensorboard, or
+    # pip install '.[tensorboard]' in recsys's checkout).
     logger: LoggerKind = LoggerKind.jsonl
     # The last partial batch of each epoch: dropped (true, the loader's
     # default, said at start-up) or trained on as a smaller batch (false).

@@ -181,7 +181,8 @@ class PlacementConfig:
     cache_ratio: float = 0.05  # lookahead/cache/disk: the device cache's share of all rows
     window: int = 4  # lookahead: batches prefetched ahead of the trainer
     policy: CachePolicy = CachePolicy.lru  # the cache's victim policy: lru | lfu
-    # Per-table placement: {table name: placement}, applied after the size rule.
+    # Per-table placement: {table name: placement}, applied after the size rule;
+    # a table is added with +placement.overrides.C3=disk (the + adds a key).
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
     device_max_rows: Optional[int] = None
@@ -292,7 +293,8 @@ class TrainerConfig:
     threads: Optional[int] = None
     loader_queue_depth: int = 8  # batches the background loader may hold ready
     # metrics.jsonl is always written; tensorboard also writes the same scalars
-    # as TensorBoard events in <run dir>/tensorboard (pip install -e .[tensorboard]).
+    # as TensorBoard events in <run dir>/tensorboard (pip install tensorboard, or
+    # pip install '.[tensorboard]' in recsys's checkout).
     logger: LoggerKind = LoggerKind.jsonl
     # The last partial batch of each epoch: dropped (true, the loader's
     # default, said at start-up) or trained on as a smaller batch (false).

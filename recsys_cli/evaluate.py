@@ -164,7 +164,8 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                notes.append("plots skipped: matplotlib is not installed (pip install 'recsys[plots]', or matplotlib)")
+                notes.append("plots skipped: matplotlib is not installed (pip install matplotlib, or "
+                             "pip install '.[plots]' in recsys's checkout)")
             else:
                 plot(result, tmp)
         if output.exists():

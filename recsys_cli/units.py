@@ -20,3 +20,8 @@ def format_bytes(n: float | None) -> str:
             return f"{n:,.1f} {unit}" if abs(n) < 100 else f"{n:,.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable: TiB ends the loop")
+
+
+def count_of(n: int, noun: str) -> str:
+    """A count and its noun, plural unless the count is 1: "1 table", "26 tables"."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")

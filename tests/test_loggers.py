@@ -34,12 +34,12 @@ def test_tensorboard_missing_is_a_clear_error(dataset, tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     with pytest.raises(UserError) as e:
         Trainer(run_config(dataset, tmp_path, trainer__logger="tensorboard"), run_dir=tmp_path / "run")
-    assert str(e.value) == MISSING and "pip install -e '.[tensorboard]'" in MISSING
+    assert str(e.value) == MISSING and "pip install tensorboard " in MISSING and "-e" not in MISSING
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_tensorboard_events_hold_the_jsonl_scalars(dataset, tmp_path):
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install -e .[tensorboard])")
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"

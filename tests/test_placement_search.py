@@ -258,7 +258,21 @@ def test_placement_table_renders():
     console.print(placed.table())
     text = console.export_text()
     assert "lookahead" in text and "int4" in text and f"{placed.total_cache_rows:,}" in text
+    caption = " ".join(text.split())  # the caption wraps at the table's width
+    assert f"1 table behind one lookahead cache of {placed.total_cache_rows:,} rows" in caption
     assert any("b: 10.0M rows" in line for line in placed.why_lines())
+
+
+def test_the_placement_caption_names_no_cache_when_every_table_is_on_the_device():
+    from rich.console import Console
+
+    tables = [TableSpec("a", 1000, 16), TableSpec("b", 50_000, 16)]
+    placed = place_tables(tables, {"a": 10, "b": 100}, parse_bytes("64MiB"), "int8")
+    assert set(placed.placements.values()) == {"device"}
+    console = Console(record=True, width=200)
+    console.print(placed.table())
+    caption = " ".join(console.export_text().split())
+    assert "device 3.1 MiB, host 0 B" in caption and "behind" not in caption and "table(s)" not in caption
 
 
 @pytest.mark.parametrize(

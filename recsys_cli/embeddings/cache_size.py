@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from recsys_cli.units import count_of
+
 
 @dataclass(frozen=True)
 class CacheSize:
@@ -44,11 +46,12 @@ def cache_size(tables: list[tuple[str, int]], cache_rows: int | None, cache_rati
     if floor > by_ratio:
         held = f"the {batches_held} batches of the window" if batches_held > 1 else "one batch"
         per_batch = max(ids for _, ids in bounded)
-        why = (f"{why} would be {by_ratio:,}; raised to what {held} can need: {len(bounded)} tables x "
+        why = (f"{why} would be {by_ratio:,}; raised to what {held} can need: {count_of(len(bounded), 'table')} x "
                f"min(rows, {batches_held} x {per_batch:,} ids)")
         slots = floor
     else:
         slots = by_ratio
     if unbounded:
-        why += f" ({unbounded} multi-hot tables have no per-batch bound and are not counted)"
+        verbs = "has no per-batch bound and is" if unbounded == 1 else "have no per-batch bound and are"
+        why += f" ({count_of(unbounded, 'multi-hot table')} {verbs} not counted)"
     return CacheSize(slots, why)

@@ -192,7 +192,8 @@ class EmbeddingBagCollection(nn.Module):
         for fs, g in zip(self.group_features, self.groups):
             if getattr(g, "sizing", None) is not None and hasattr(g, "capacity"):
                 tables = fs[0] if len(fs) == 1 else f"{len(fs)} tables ({fs[0]}..{fs[-1]})"
-                lines.append(f"{g.kind} cache of {tables}: {g.capacity:,} slots ({g.sizing})")
+                kind = "on-demand" if g.kind == "cache" else g.kind  # placement=cache: not "cache cache of"
+                lines.append(f"{kind} cache of {tables}: {g.capacity:,} slots ({g.sizing})")
         return lines
 
     # --- whole tables --------------------------------------------------------

@@ -51,7 +51,7 @@ from recsys_cli.embeddings.placement_bytes import (BUDGET_KEY, PRECISIONS, alloc
                                                    device_allocations, device_row_bytes, format_count, table_footprint)
 from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
-from recsys_cli.units import format_bytes
+from recsys_cli.units import count_of, format_bytes
 
 
 # --- the result -----------------------------------------------------------------------
@@ -123,11 +123,14 @@ class TablePlacements:
                 format_bytes(b.get("device")), format_bytes(b.get("host")),
             )
         table.caption = (
-            f"device {format_bytes(self.expected_bytes['device'])}, host {format_bytes(self.expected_bytes['host'])}; "
-            f"{len(self.lookahead_tables)} table(s) behind one lookahead cache of {self.cache_rows_of('lookahead'):,} rows"
+            f"device {format_bytes(self.expected_bytes['device'])}, host {format_bytes(self.expected_bytes['host'])}"
         )
+        if self.lookahead_tables:  # none when every table is on the device: no cache to describe
+            table.caption += (f"; {count_of(len(self.lookahead_tables), 'table')} behind one lookahead cache of "
+                              f"{self.cache_rows_of('lookahead'):,} rows")
         if self.disk_tables:
-            table.caption += (f"; {len(self.disk_tables)} table(s) on disk ({format_bytes(self.disk_bytes)}) behind "
+            table.caption += (f"; {count_of(len(self.disk_tables), 'table')} on disk "
+                              f"({format_bytes(self.disk_bytes)}) behind "
                               f"one of {self.cache_rows_of('disk'):,} rows, within the "
                               f"{format_bytes(self.host_budget_bytes)} host budget")
         return table

@@ -86,7 +86,8 @@ def build_report(root: Path | str, out: Path | str | None = None, console=None, 
                 try:
                     import matplotlib  # noqa: F401
                 except ImportError:
-                    notes.append("plots skipped: matplotlib is not installed (pip install 'recsys[plots]', or matplotlib)")
+                    notes.append("plots skipped: matplotlib is not installed (pip install matplotlib, or "
+                                 "pip install '.[plots]' in recsys's checkout)")
                 else:
                     from recsys_cli.report.plots import make_plots
 

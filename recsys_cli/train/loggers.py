@@ -5,7 +5,8 @@ TensorBoard gets the same records as scalars, tagged by where they come
 from: `train/loss`, `train/samples_per_second`, `train/hit_rate`,
 `phase_seconds/<phase>` (cumulative), `val/auc`, `test/logloss`..., at the
 record's step. torch.utils.tensorboard needs the `tensorboard` package, an
-optional extra: pip install -e .[tensorboard].
+optional extra: pip install tensorboard, or pip install '.[tensorboard]' in
+recsys's checkout.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from recsys_cli.errors import UserError
 from recsys_cli.train.metrics import MetricsLog
 
 LOGGERS = ("jsonl", "tensorboard")
-MISSING = ("trainer.logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
-           "(or pip install tensorboard); trainer.logger=jsonl needs nothing")
+# Installed from a clone (pip install .): the extra is named by the checkout's path, not by
+# the project's name, which on PyPI may be someone else's package.
+MISSING = ("trainer.logger=tensorboard needs the tensorboard package: pip install tensorboard (or, in "
+           "recsys's checkout, pip install '.[tensorboard]'); trainer.logger=jsonl needs nothing")
 
 
 def summary_writer_class():

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,7 +30,8 @@ CONFIG_DIR = str(config_dirs.config_dir(config_dirs.TRAIN))
 
 # Where Hydra would save the composed config (hydra.output_subdir): Hydra
 # writes it before the app runs, so a second run in a busy directory would
-# overwrite the first one's; the app saves it itself once it holds the lock.
+# overwrite the first one's, and a refused resume the run's own; the app saves it
+# itself once it holds the lock and the Trainer is set up (a resume accepted).
 _output_subdir: str | None = ".hydra"
 _started = False  # the app ran: Hydra accepted the command line
 _existing: set[Path] = set()  # run/sweep directories named on the command line that existed before Hydra ran
@@ -43,6 +45,10 @@ def train_main(cfg: DictConfig) -> float | None:
 
     # what Hydra just made for this run: removed again if the start fails before any output
     created = rundir.unused_dirs(run_dir, Path.cwd(), _existing) if os.environ.get("RANK", "0") == "0" else []
+    # The run's record (.hydra/), written once the Trainer is set up (_train): a refused resume
+    # (another config, other features, no memory) leaves the record of the run it would continue as it was.
+    record = (functools.partial(save_hydra_config, hydra_files(cfg), run_dir / _output_subdir)
+              if _output_subdir is not None else None)
     try:
         distributed.check_process_count(cfg)  # before the run directory is made: nothing is written
         with contextlib.ExitStack() as locks:
@@ -51,9 +57,7 @@ def train_main(cfg: DictConfig) -> float | None:
                 locks.enter_context(rundir.locked(Path(cfg.trainer.checkpoint_dir), "checkpoint directory"))
             if not cfg.trainer.resume:  # a new run: never over another run's metrics and checkpoints
                 rundir.refuse_reuse(run_dir, Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None)
-            if _output_subdir is not None:
-                save_hydra_config(cfg, run_dir / _output_subdir)
-            return _train(cfg, run_dir)
+            return _train(cfg, run_dir, record)
     except UserError as e:
         rundir.remove_unused(created)  # after the lock is released
         fail(str(e))
@@ -61,26 +65,35 @@ def train_main(cfg: DictConfig) -> float | None:
         say_preempted(str(e))
 
 
-def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
+def hydra_files(cfg: DictConfig) -> dict[str, str]:
     """The three files Hydra writes into .hydra/ (config, hydra, overrides),
-    each renamed into place: a resume on several ranks reads overrides.yaml
-    while rank 0 rewrites it (resume_overrides.py)."""
+    as text: taken while Hydra's config is at hand, written by
+    save_hydra_config once the run is set up (also in a spawned worker)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
     assert isinstance(hydra_cfg, dict), "Hydra's config is a mapping"
     hydra_cfg["output_subdir"] = _output_subdir
-    for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
-                       ("overrides.yaml", HydraConfig.get().overrides.task)):
+    return {name: OmegaConf.to_yaml(node) for name, node in (
+        ("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}), ("overrides.yaml", HydraConfig.get().overrides.task))}
+
+
+def save_hydra_config(files: dict[str, str], directory: Path) -> None:
+    """`files` (hydra_files) into `directory`, each renamed into place: a
+    resume on several ranks reads overrides.yaml while rank 0 rewrites it
+    (resume_overrides.py)."""
+    for name, text in files.items():
         tmp = directory / f".{name}.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(OmegaConf.to_yaml(node))
+            tmp.write_text(text)
             os.replace(tmp, directory / name)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise write_error(directory / name, e) from None
 
 
-def _train(cfg: DictConfig, run_dir: Path) -> float | None:
+def _train(cfg: DictConfig, run_dir: Path, record: Callable[[], None] | None = None) -> float | None:
+    """Train; `record` (the run's .hydra/ files) is written once the Trainer
+    is set up, i.e. a resume was accepted (distributed_app: by rank 0)."""
     from recsys_cli.train.progress import summary_table
     from recsys_cli.train.trainer import Trainer
 
@@ -90,8 +103,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     if cfg.trainer.nproc > 1 or distributed.launched_by_agent():  # several processes (torchrun, or spawned here)
         from recsys_cli.train.distributed_app import train_app
 
-        return train_app(cfg, run_dir)
+        return train_app(cfg, run_dir, record)
     trainer = Trainer(cfg, run_dir=run_dir, console=console)
+    if record is not None:
+        record()
     summary = trainer.fit()
     console.print(summary_table(summary))
     say(console, f"run directory: {run_dir}", soft_wrap=True)

@@ -239,6 +239,27 @@ def train_help(overrides: list[str]) -> str:
                      usage="recsys train [-m] [group=option ...] [key=value ...]", extra="\n".join(groups))
 
 
+def hydra_argv(args: list[str]) -> list[str]:
+    """The command line for Hydra's app: `args` (overrides and Hydra's own
+    flags) with hydra.output_subdir=null (the app writes .hydra/ itself)
+    beside the last override, else first. argparse takes the overrides as
+    one run between flags (`trainer.max_steps=3 --cfg job` then a last
+    override was "unrecognized"), and --info's optional value would take
+    one placed at the end (`recsys train --info` was "invalid choice")."""
+    from hydra._internal.utils import get_args_parser
+
+    nargs = {flag: action.nargs for action in get_args_parser()._actions for flag in action.option_strings}
+    at = i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if not arg.startswith("-"):
+            at = i  # after this override
+        elif "=" not in arg and (nargs.get(arg, 0) is None or (  # --cfg job: the flag's value is no override
+                nargs.get(arg) == "?" and i < len(args) and not args[i].startswith("-"))):  # --info searchpath
+            i += 1
+    return [*args[:at], "hydra.output_subdir=null", *args[at:]]
+
+
 def run_train_app(overrides: list[str]) -> None:
     overrides = group_overrides(overrides)  # +placement=x, the older spelling, is placement=x
     if any(o in ("-h", "--help") for o in overrides):  # ours, before Hydra's template (--hydra-help is Hydra's)
@@ -263,7 +284,7 @@ def run_train_app(overrides: list[str]) -> None:
             value = o.split("=", 1)[1]
             _output_subdir = None if value in ("null", "~", "") else value
     _existing.update(rundir.existing_dirs(overrides))
-    sys.argv = ["recsys train", *overrides, "hydra.output_subdir=null"]
+    sys.argv = ["recsys train", *hydra_argv(overrides)]
     try:
         app()
     except SystemExit as e:

@@ -116,39 +116,79 @@ def _train(cfg: DictConfig, run_dir: Path, record: Callable[[], None] | None = N
 
 def check_overrides(overrides: list[str]) -> DictConfig | None:
     """Compose the config once before Hydra does, so that a bad override is
-    a one-line UserError (exit 2) instead of Hydra's report (exit 1). Sweep
-    and hydra.* overrides are left to Hydra; with flags other than -m
-    (--help, --cfg ...) nothing is checked here."""
-    from hydra import compose, initialize_config_dir
+    a one-line UserError (exit 2) instead of Hydra's report (exit 1).
+    hydra.* overrides are left to Hydra; with flags other than -m (--help,
+    --cfg ...) nothing is checked here. With -m, a sweep (a,b, range(),
+    choice(), glob()) is expanded into its jobs as Hydra's basic sweeper
+    expands it, and every job is composed and checked before the first one
+    starts (the error names the job and its sweep values); the first job's
+    config is returned. A sweep without -m is left to Hydra's message."""
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from recsys_cli.compose_errors import one_line
-    from recsys_cli.config import TrainConfig, validate
-
+    multirun = any(o in ("-m", "--multirun") for o in overrides)
     plain = [o for o in overrides if o not in ("-m", "--multirun")]
     if any(o.startswith("-") for o in plain):
         return None
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        try:  # the config loader: glob() lists a group's options
+            parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(plain)
+            keep = [o for o in parsed  # input_line: None only for overrides made in code, not parsed
+                    if o.input_line is not None and not o.key_or_group.startswith("hydra")]
+            sweeps = [o for o in keep if o.is_sweep_override()]
+            if not (multirun and sweeps):
+                return _checked([o.input_line for o in keep if not o.is_sweep_override()])
+            jobs = BasicSweeper.split_arguments(keep, None)[0]
+        except (HydraException, OmegaConfBaseException, ValueError) as e:
+            raise _bad_configuration(e) from None
+        swept = {o.get_key_element() for o in sweeps}
+        first = None
+        for number, job in enumerate(jobs):
+            try:
+                cfg = _checked(job)
+            except UserError as e:
+                values = " ".join(o for o in job if o.partition("=")[0] in swept)
+                raise UserError(f"{e} (job #{number} of the sweep: {values})") from None
+            first = first if first is not None else cfg
+        return first
+
+
+def _checked(overrides: list[str]) -> DictConfig:
+    """configs/train.yaml composed with `overrides` (no sweep, no hydra.*)
+    against the schema, in initialize_config_dir's context: a misspelt key,
+    a bad value or range is a one-line UserError."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.config import TrainConfig, validate
+
     try:
-        parsed = OverridesParser.create().parse_overrides(plain)
-        keep = [o.input_line for o in parsed  # input_line: None only for overrides made in code, not parsed
-                if o.input_line is not None and not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose(config_name="train", overrides=keep)
+        cfg = compose(config_name="train", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        message = one_line(e)
-        if "'placement.overrides." in message:  # a free-form dict: new keys need a +
-            message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
-        if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
-            message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
-                        "is model.dense_precision=bf16)")
-        raise UserError(f"bad configuration: {message}") from None
+        raise _bad_configuration(e) from None
     extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
     validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
     return cfg
+
+
+def _bad_configuration(e: BaseException) -> UserError:
+    """A composition error `e` as the one line `bad configuration: ...` (compose_errors.one_line)."""
+    from recsys_cli.compose_errors import one_line
+
+    message = one_line(e)
+    if "'placement.overrides." in message:  # a free-form dict: new keys need a +
+        message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+    if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
+        message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
+                    "is model.dense_precision=bf16)")
+    return UserError(f"bad configuration: {message}")
 
 
 def train_config(overrides: Sequence[str] = ()) -> DictConfig:

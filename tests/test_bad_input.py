@@ -420,6 +420,34 @@ def test_config_errors_exit_2_on_one_line(tmp_path, monkeypatch, capsys, overrid
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("sweep, needle", [
+    ("+optimizer.lrr=0.05,0.1", "bad configuration: unknown key 'optimizer.lrr' (job #0 of the sweep: "
+                                "+optimizer.lrr=0.05)"),
+    ("optimizer.lrr=0.05,0.1", "bad configuration: unknown key 'optimizer.lrr' (job #0"),
+    ("placement=lookahed,device", "Could not find 'placement/lookahed' (options: auto, cache"),
+    ("optimizer.lr=0.05,-1", "optimizer.lr must be > 0, got -1.0 (job #1 of the sweep: optimizer.lr=-1)"),
+    ("optimizer.lr=choice(0.05,0.1) trainer.batch_size=range(64,-64,-64)",
+     "trainer.batch_size must be >= 1, got 0 (job #1 of the sweep: optimizer.lr=0.05 trainer.batch_size=0)"),
+])
+def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path, monkeypatch, capsys, sweep, needle):
+    """`-m` with comma lists, choice() or range(): each job is composed and
+    checked as a single run is, before Hydra starts (a sweep's first jobs
+    used to train, unknown keys stored, Hydra's reports printed): one line
+    naming the key and the job's sweep values, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    code, stderr = in_process(["train", "-m", *sweep.split(), "dataset.synthetic.rows=2000", "hydra.sweep.dir=multi"],
+                              capsys)
+    assert_user_error(subprocess.CompletedProcess([], code, "", stderr), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_with_a_bad_value_trains_no_job(tmp_path):
+    """The real process: exit 2 before the sweep directory, the data or a job's run exists."""
+    r = recsys("train", "-m", "optimizer.lr=0.05,-1", "dataset.synthetic.rows=2000", "trainer.max_steps=2", cwd=tmp_path)
+    assert_user_error(r, "optimizer.lr must be > 0, got -1.0 (job #1 of the sweep: optimizer.lr=-1)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hydras_own_keys_exit_2(tmp_path):
     r = recsys("train", "hydra.nokey=1", "hydra.run.dir=run", cwd=tmp_path)
     assert r.returncode == 2 and "nokey" in r.stderr, r.stderr  # Hydra's own report, but exit 2 too

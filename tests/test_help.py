@@ -1,15 +1,19 @@
 """`recsys COMMAND --help` (issue 42 item 4): every command answers -h and
 --help with exit status 0, its purpose, its keys with their defaults and
 descriptions (taken from the structured configs, options.help_text), and two
-examples that run as written. In-process: no command here starts Hydra's app."""
+examples that run as written. In-process: no command here starts Hydra's app,
+but for the real-process test that Hydra's own flags, which `recsys train
+--help` names, still work."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
 
 import pytest
 
-from commands import in_process_output
+from commands import RECSYS, in_process_output
 from recsys_cli.options import field_help
 
 COMMANDS = [["train"], ["preprocess"], ["preprocess", "criteo"], ["preprocess", "synthetic"], ["report"],
@@ -110,3 +114,20 @@ def test_help_examples_are_accepted(tmp_path, capsys):
         for example in found:
             load_config(source, shlex.split(example)[3:])
     assert "deprecated" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--info"], ["-i"], ["--info", "searchpath"], ["--cfg", "job", "trainer.max_steps=3"],
+                                  ["trainer.max_steps=3", "--cfg", "job"], ["--hydra-help"]], ids=" ".join)
+def test_hydras_own_flags_still_work(tmp_path, args):
+    """`recsys train --help` says --cfg job, --hydra-help and --info still
+    work: each as Hydra answers it, exit 0, nothing written (the app's
+    hydra.output_subdir=null was --info's value, and an "unrecognized"
+    argument after the flags)."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([RECSYS, "train", *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "error" not in r.stderr, r.stderr[-2000:]
+    if "job" in args:
+        assert "\n  max_steps: 3\n" in r.stdout, r.stdout[-3000:]
+    if args[0] in ("--info", "-i"):
+        assert "Config search path" in r.stdout, r.stdout[-3000:]
+    assert list(tmp_path.iterdir()) == []

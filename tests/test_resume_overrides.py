@@ -137,6 +137,38 @@ def test_resume_last_alone_continues_the_run_bit_for_bit(tmp_path):
     assert "trainer.resume=last" in saved and "placement=lookahead" in saved  # what the resumed run composed
 
 
+def test_a_refused_resume_leaves_the_runs_record_and_a_plain_resume_still_works(tmp_path):
+    """A resume refused for another config (optimizer=adagrad against a run
+    trained with sgd) changes nothing in the run directory: .hydra/ keeps the
+    overrides and config the run trained with, byte for byte, so the next
+    plain `trainer.resume=true` takes them and continues."""
+    env = {**os.environ, "RECSYS_CACHE": str(tmp_path / "cache")}
+
+    def recsys(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([RECSYS, "train", *args, "hydra.run.dir=run"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+    run = tmp_path / "run"
+    first = recsys("trainer.max_steps=20", "dataset.synthetic.rows=4000", "trainer.batch_size=64", "trainer.progress=false")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = files()
+
+    refused = recsys("trainer.resume=true", "optimizer=adagrad")
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "was trained with another config: optimizer.lr=" in refused.stderr and "Traceback" not in refused.stderr
+    assert files() == before  # .hydra/overrides.yaml and config.yaml the run's, nothing else changed
+
+    plain = recsys("trainer.resume=true", "trainer.max_steps=30")
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    out = "".join(plain.stdout.split())  # rich may wrap, even inside a path: compared without white space
+    assert "optimizer=adagrad" not in out and "".join(f"resumed from {run / 'checkpoints'}/step-00000020.pt".split()) in out
+    saved = (run / ".hydra" / "overrides.yaml").read_text()  # the accepted resume's record: what it composed
+    assert "trainer.max_steps=30" in saved and "dataset.synthetic.rows=4000" in saved and "adagrad" not in saved
+
+
 def test_a_checkpoint_kept_elsewhere_gives_the_values_of_its_saved_config(tmp_path, monkeypatch):
     """No run directory with saved overrides (checkpoints in trainer.checkpoint_dir,
     a new hydra.run.dir): the checkpoint's saved config is the run's, and

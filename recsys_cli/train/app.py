@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,7 +30,8 @@ CONFIG_DIR = str(config_dirs.config_dir(config_dirs.TRAIN))
 
 # Where Hydra would save the composed config (hydra.output_subdir): Hydra
 # writes it before the app runs, so a second run in a busy directory would
-# overwrite the first one's; the app saves it itself once it holds the lock.
+# overwrite the first one's, and a refused resume the run's own; the app saves it
+# itself once it holds the lock and the Trainer is set up (a resume accepted).
 _output_subdir: str | None = ".hydra"
 _started = False  # the app ran: Hydra accepted the command line
 _existing: set[Path] = set()  # run/sweep directories named on the command line that existed before Hydra ran
@@ -43,6 +45,10 @@ def train_main(cfg: DictConfig) -> float | None:
 
     # what Hydra just made for this run: removed again if the start fails before any output
     created = rundir.unused_dirs(run_dir, Path.cwd(), _existing) if os.environ.get("RANK", "0") == "0" else []
+    # The run's record (.hydra/), written once the Trainer is set up (_train): a refused resume
+    # (another config, other features, no memory) leaves the record of the run it would continue as it was.
+    record = (functools.partial(save_hydra_config, hydra_files(cfg), run_dir / _output_subdir)
+              if _output_subdir is not None else None)
     try:
         distributed.check_process_count(cfg)  # before the run directory is made: nothing is written
         with contextlib.ExitStack() as locks:
@@ -51,9 +57,7 @@ def train_main(cfg: DictConfig) -> float | None:
                 locks.enter_context(rundir.locked(Path(cfg.trainer.checkpoint_dir), "checkpoint directory"))
             if not cfg.trainer.resume:  # a new run: never over another run's metrics and checkpoints
                 rundir.refuse_reuse(run_dir, Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None)
-            if _output_subdir is not None:
-                save_hydra_config(cfg, run_dir / _output_subdir)
-            return _train(cfg, run_dir)
+            return _train(cfg, run_dir, record)
     except UserError as e:
         rundir.remove_unused(created)  # after the lock is released
         fail(str(e))
@@ -61,26 +65,35 @@ def train_main(cfg: DictConfig) -> float | None:
         say_preempted(str(e))
 
 
-def save_hydra_config(cfg: DictConfig, directory: Path) -> None:
+def hydra_files(cfg: DictConfig) -> dict[str, str]:
     """The three files Hydra writes into .hydra/ (config, hydra, overrides),
-    each renamed into place: a resume on several ranks reads overrides.yaml
-    while rank 0 rewrites it (resume_overrides.py)."""
+    as text: taken while Hydra's config is at hand, written by
+    save_hydra_config once the run is set up (also in a spawned worker)."""
     hydra_cfg = OmegaConf.to_container(HydraConfig.get(), resolve=False)
     assert isinstance(hydra_cfg, dict), "Hydra's config is a mapping"
     hydra_cfg["output_subdir"] = _output_subdir
-    for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
-                       ("overrides.yaml", HydraConfig.get().overrides.task)):
+    return {name: OmegaConf.to_yaml(node) for name, node in (
+        ("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}), ("overrides.yaml", HydraConfig.get().overrides.task))}
+
+
+def save_hydra_config(files: dict[str, str], directory: Path) -> None:
+    """`files` (hydra_files) into `directory`, each renamed into place: a
+    resume on several ranks reads overrides.yaml while rank 0 rewrites it
+    (resume_overrides.py)."""
+    for name, text in files.items():
         tmp = directory / f".{name}.tmp-{os.getpid()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(OmegaConf.to_yaml(node))
+            tmp.write_text(text)
             os.replace(tmp, directory / name)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise write_error(directory / name, e) from None
 
 
-def _train(cfg: DictConfig, run_dir: Path) -> float | None:
+def _train(cfg: DictConfig, run_dir: Path, record: Callable[[], None] | None = None) -> float | None:
+    """Train; `record` (the run's .hydra/ files) is written once the Trainer
+    is set up, i.e. a resume was accepted (distributed_app: by rank 0)."""
     from recsys_cli.train.progress import summary_table
     from recsys_cli.train.trainer import Trainer
 
@@ -90,8 +103,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
     if cfg.trainer.nproc > 1 or distributed.launched_by_agent():  # several processes (torchrun, or spawned here)
         from recsys_cli.train.distributed_app import train_app
 
-        return train_app(cfg, run_dir)
+        return train_app(cfg, run_dir, record)
     trainer = Trainer(cfg, run_dir=run_dir, console=console)
+    if record is not None:
+        record()
     summary = trainer.fit()
     console.print(summary_table(summary))
     say(console, f"run directory: {run_dir}", soft_wrap=True)
@@ -101,39 +116,79 @@ def _train(cfg: DictConfig, run_dir: Path) -> float | None:
 
 def check_overrides(overrides: list[str]) -> DictConfig | None:
     """Compose the config once before Hydra does, so that a bad override is
-    a one-line UserError (exit 2) instead of Hydra's report (exit 1). Sweep
-    and hydra.* overrides are left to Hydra; with flags other than -m
-    (--help, --cfg ...) nothing is checked here."""
-    from hydra import compose, initialize_config_dir
+    a one-line UserError (exit 2) instead of Hydra's report (exit 1).
+    hydra.* overrides are left to Hydra; with flags other than -m (--help,
+    --cfg ...) nothing is checked here. With -m, a sweep (a,b, range(),
+    choice(), glob()) is expanded into its jobs as Hydra's basic sweeper
+    expands it, and every job is composed and checked before the first one
+    starts (the error names the job and its sweep values); the first job's
+    config is returned. A sweep without -m is left to Hydra's message."""
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from recsys_cli.compose_errors import one_line
-    from recsys_cli.config import TrainConfig, validate
-
+    multirun = any(o in ("-m", "--multirun") for o in overrides)
     plain = [o for o in overrides if o not in ("-m", "--multirun")]
     if any(o.startswith("-") for o in plain):
         return None
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        try:  # the config loader: glob() lists a group's options
+            parsed = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(plain)
+            keep = [o for o in parsed  # input_line: None only for overrides made in code, not parsed
+                    if o.input_line is not None and not o.key_or_group.startswith("hydra")]
+            sweeps = [o for o in keep if o.is_sweep_override()]
+            if not (multirun and sweeps):
+                return _checked([o.input_line for o in keep if not o.is_sweep_override()])
+            jobs = BasicSweeper.split_arguments(keep, None)[0]
+        except (HydraException, OmegaConfBaseException, ValueError) as e:
+            raise _bad_configuration(e) from None
+        swept = {o.get_key_element() for o in sweeps}
+        first = None
+        for number, job in enumerate(jobs):
+            try:
+                cfg = _checked(job)
+            except UserError as e:
+                values = " ".join(o for o in job if o.partition("=")[0] in swept)
+                raise UserError(f"{e} (job #{number} of the sweep: {values})") from None
+            first = first if first is not None else cfg
+        return first
+
+
+def _checked(overrides: list[str]) -> DictConfig:
+    """configs/train.yaml composed with `overrides` (no sweep, no hydra.*)
+    against the schema, in initialize_config_dir's context: a misspelt key,
+    a bad value or range is a one-line UserError."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from recsys_cli.config import TrainConfig, validate
+
     try:
-        parsed = OverridesParser.create().parse_overrides(plain)
-        keep = [o.input_line for o in parsed  # input_line: None only for overrides made in code, not parsed
-                if o.input_line is not None and not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose(config_name="train", overrides=keep)
+        cfg = compose(config_name="train", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        message = one_line(e)
-        if "'placement.overrides." in message:  # a free-form dict: new keys need a +
-            message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
-        if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
-            message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
-                        "is model.dense_precision=bf16)")
-        raise UserError(f"bad configuration: {message}") from None
+        raise _bad_configuration(e) from None
     extra = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))  # `+key=value` gets past compose
     if extra:
         raise UserError(f"bad configuration: unknown key '{extra[0]}'")
     validate(cfg)  # ranges and combinations too, before torch is imported (the Trainer checks again)
     return cfg
+
+
+def _bad_configuration(e: BaseException) -> UserError:
+    """A composition error `e` as the one line `bad configuration: ...` (compose_errors.one_line)."""
+    from recsys_cli.compose_errors import one_line
+
+    message = one_line(e)
+    if "'placement.overrides." in message:  # a free-form dict: new keys need a +
+        message += " (a table's placement is added with +placement.overrides.TABLE=KIND)"
+    if "'precision/" in message:  # Lightning's precision=bf16 is the dense half's here
+        message += (" (precision= is how the embedding tables are stored; the dense model's bf16 autocast "
+                    "is model.dense_precision=bf16)")
+    return UserError(f"bad configuration: {message}")
 
 
 def train_config(overrides: Sequence[str] = ()) -> DictConfig:
@@ -224,6 +279,27 @@ def train_help(overrides: list[str]) -> str:
                      usage="recsys train [-m] [group=option ...] [key=value ...]", extra="\n".join(groups))
 
 
+def hydra_argv(args: list[str]) -> list[str]:
+    """The command line for Hydra's app: `args` (overrides and Hydra's own
+    flags) with hydra.output_subdir=null (the app writes .hydra/ itself)
+    beside the last override, else first. argparse takes the overrides as
+    one run between flags (`trainer.max_steps=3 --cfg job` then a last
+    override was "unrecognized"), and --info's optional value would take
+    one placed at the end (`recsys train --info` was "invalid choice")."""
+    from hydra._internal.utils import get_args_parser
+
+    nargs = {flag: action.nargs for action in get_args_parser()._actions for flag in action.option_strings}
+    at = i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if not arg.startswith("-"):
+            at = i  # after this override
+        elif "=" not in arg and (nargs.get(arg, 0) is None or (  # --cfg job: the flag's value is no override
+                nargs.get(arg) == "?" and i < len(args) and not args[i].startswith("-"))):  # --info searchpath
+            i += 1
+    return [*args[:at], "hydra.output_subdir=null", *args[at:]]
+
+
 def run_train_app(overrides: list[str]) -> None:
     overrides = group_overrides(overrides)  # +placement=x, the older spelling, is placement=x
     if any(o in ("-h", "--help") for o in overrides):  # ours, before Hydra's template (--hydra-help is Hydra's)
@@ -248,7 +324,7 @@ def run_train_app(overrides: list[str]) -> None:
             value = o.split("=", 1)[1]
             _output_subdir = None if value in ("null", "~", "") else value
     _existing.update(rundir.existing_dirs(overrides))
-    sys.argv = ["recsys train", *overrides, "hydra.output_subdir=null"]
+    sys.argv = ["recsys train", *hydra_argv(overrides)]
     try:
         app()
     except SystemExit as e:

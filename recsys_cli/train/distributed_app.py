@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -23,10 +24,12 @@ from recsys_cli.train.distributed import (PeerTimeout, TeardownHung, WorkerFaile
                                           peer_timeout, teardown, timed_out)
 
 
-def train(cfg, run_dir: Path | None) -> dict:
+def train(cfg, run_dir: Path | None, hydra_record: Callable[[], None] | None = None) -> dict:
     """Train as one rank of the group the launcher (or torchrun) set up:
-    join, agree on rank 0's run directory, train, leave. Rank 0 prints the
-    summary; returns the summary."""
+    join, agree on rank 0's run directory, train, leave. Rank 0 writes
+    `hydra_record` (the run's .hydra/, app.save_hydra_config) once its Trainer is
+    set up (a refused resume leaves the run's record as it was), and prints
+    the summary; returns the summary."""
     from rich.console import Console
 
     from recsys_cli.train.progress import summary_table
@@ -40,7 +43,10 @@ def train(cfg, run_dir: Path | None) -> dict:
         run_dir = Path(shared) if shared is not None else None
         console = Console() if ctx.is_main else None
         try:
-            summary = Trainer(cfg, run_dir=run_dir, console=console).fit()
+            trainer = Trainer(cfg, run_dir=run_dir, console=console)
+            if hydra_record is not None and ctx.is_main:
+                hydra_record()
+            summary = trainer.fit()
         except Preempted as e:  # every rank stopped at the same step; rank 0 wrote the checkpoint
             if ctx.is_main:
                 say_preempted(str(e))
@@ -60,15 +66,17 @@ def train(cfg, run_dir: Path | None) -> dict:
             teardown()
 
 
-def _train_or_user_error(cfg, run_dir: Path | None) -> tuple[dict | None, Exception | None]:
+def _train_or_user_error(cfg, run_dir: Path | None,
+                         hydra_record: Callable[[], None] | None = None) -> tuple[dict | None, Exception | None]:
     try:
-        return train(cfg, run_dir), None
+        return train(cfg, run_dir, hydra_record), None
     except (UserError, PeerTimeout) as e:
         return None, e
 
 
 @record
-def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | None = None) -> float | None:
+def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | None = None,
+                hydra_record: Callable[[], None] | None = None) -> float | None:
     """The launcher's entrypoint: one worker of `recsys train trainer.nproc=N`.
     Rank 0 sets up the Hydra job's logging (its progress lines go to the
     run's app.log, as in one process); spawned workers do not inherit it."""
@@ -82,16 +90,17 @@ def worker_main(cfg_container: dict, run_dir: str | None, job_logging: dict | No
         logging.config.dictConfig(job_logging)
     register_configs()
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg_container)
-    summary = train(cfg, Path(run_dir) if run_dir else None)
+    summary = train(cfg, Path(run_dir) if run_dir else None, hydra_record)
     mark("done")  # torn down: the launcher waits for this rank's return value, not for a hung rank
     exit_without_finalizing()  # the return value goes to the launcher, then the process ends ~2 s sooner
     val = summary["final"].get("val")
     return None if val is None else val["auc"]
 
 
-def train_app(cfg, run_dir: Path) -> float | None:
+def train_app(cfg, run_dir: Path, hydra_record: Callable[[], None] | None = None) -> float | None:
     """`recsys train` when more than one process trains: under torchrun this
-    process is one rank; otherwise start trainer.nproc workers and wait."""
+    process is one rank; otherwise start trainer.nproc workers and wait.
+    `hydra_record`: the run's .hydra/ files, which rank 0 writes once set up (train)."""
     from omegaconf import OmegaConf
     from rich.console import Console
 
@@ -104,7 +113,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
         # A user error is caught inside `record`: it writes the error file
         # that torchrun's failure report prints, and it must hold no traceback
         # for an error the rank has already said in one line.
-        outcome = record(_train_or_user_error)(cfg, run_dir)
+        outcome = record(_train_or_user_error)(cfg, run_dir, hydra_record)
         assert outcome is not None  # record gives the function's result, or raises
         summary, user_error = outcome
         if summary is None:  # train raised a user's error (or a peer's timeout): user_error
@@ -126,7 +135,7 @@ def train_app(cfg, run_dir: Path) -> float | None:
 
     started = time.time()
     try:
-        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir), job_logging)
+        results = launch(worker_main, cfg.trainer.nproc, container, str(run_dir), job_logging, hydra_record)
     except SignalException as e:  # Ctrl-C or a kill of this process: the workers are stopped
         if e.sigval == signal.SIGTERM:  # the agent passed it on: the workers stopped at a step with a checkpoint
             from recsys_cli.checkpoints.read import newest_checkpoint

@@ -438,6 +438,21 @@ def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, mess
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
 
 
+def test_a_train_split_smaller_than_one_batch_is_one_line_before_the_run_directory(tmp_path, train):
+    """A 10-row train split at the default trainer.batch_size=256 was the
+    loader's ValueError as a traceback, exit 1, after the run directory was made."""
+    data = write_dataset(tmp_path, {"train": 10, "val": 5, "test": 5})
+    r = train(f"dataset.path={data}", "trainer.progress=false", "hydra.run.dir=run")
+    assert_user_error(r, f"split 'train' of {data} has 10 rows, fewer than one global batch of trainer.batch_size=256",
+                      "lower trainer.batch_size", "trainer.drop_last=false")
+    assert not (tmp_path / "run").exists()
+    # placement=auto samples its batches as the run trains them: the one partial batch with drop_last=false
+    r = train(f"dataset.path={data}", "trainer.drop_last=false", "placement=auto", "trainer.progress=false",
+              f"optimizer.lr={LR}", "hydra.run.dir=run")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
 # --- 9. dedup on a dataset without sessions ------------------------------------------------------------------------
 
 

@@ -12,9 +12,12 @@ SAMPLE_BATCHES = 64
 
 
 def sample_sparse(data: TrainingData, batch_size: int, seed: int, count: int = SAMPLE_BATCHES) -> list:
-    """The sparse ids of the first `count` training batches in the run's own shuffled order."""
+    """The sparse ids of the first `count` training batches in the run's own shuffled order:
+    whole batches, or the one partial batch of a train split smaller than one
+    batch (trainer.drop_last=false; training_data refuses it otherwise)."""
     batches = []
-    for batch in ShardLoader(data.directory, "train", batch_size, shuffle=True, seed=seed):
+    whole = data.manifest.splits["train"].rows >= batch_size
+    for batch in ShardLoader(data.directory, "train", batch_size, shuffle=True, seed=seed, drop_last=whole):
         batches.append(batch.sparse)
         if len(batches) == count:
             break

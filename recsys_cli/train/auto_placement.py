@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import measure_and_place
@@ -40,8 +42,8 @@ def expected_lookups(data: TrainingData, batch_size: int, seed: int, count: int 
     return out
 
 
-def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer) -> TablePlacements:
-    """The placements placement=auto trains with: chosen from the skew of the first training batches."""
+def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer, device: torch.device) -> TablePlacements:
+    """The placements placement=auto trains with on `device`: chosen from the skew of the first training batches."""
     batches = sample_sparse(data, cfg.trainer.batch_size, cfg.trainer.seed)
     return measure_and_place(data.features, data.vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
-                     row_optimizer, batches)
+                     row_optimizer, batches, device)

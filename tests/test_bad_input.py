@@ -480,6 +480,25 @@ def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
         Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=True, dedup__keep_sessions=True))
 
 
+def test_dedup_with_sessions_turned_off_says_so_not_no_session_column(tmp_path):
+    """dataset=synthetic_sessions dedup=on dedup.keep_sessions=false said
+    "shuffled samples (no session column)": the dataset has one, the user
+    turned session-keeping off."""
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+    from rich.console import Console
+
+    data = tiny_dataset(tmp_path, multihot=1, vocab=20, sessions=True)
+    summary = Trainer(config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50,
+                             trainer__max_steps=2, dedup__enabled=True, dedup__keep_sessions=False)).fit()
+    assert summary["session_shuffle"] is False and summary["session_column"]
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "shuffled samples (sessions not kept: dedup.keep_sessions=false)" in text
+    assert "no session column" not in text
+
+
 def test_cli_dedup_on_data_without_sessions(tmp_path, train):
     data = tiny_dataset(tmp_path, multihot=1, vocab=20)  # like the default dataset: no session column
     r = train("+dedup=on", f"dataset.path={data}", *TINY_TRAIN, "hydra.run.dir=run")

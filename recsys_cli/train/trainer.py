@@ -638,6 +638,7 @@ class Trainer:
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
             "session_shuffle": self.data.keep_sessions,  # batches hold whole sessions
+            "session_column": self.data.manifest.session_column,  # the dataset's, or None
             "cache": self.embeddings.stats(),
             "auto_placement": None if self.auto_placement is None else {
                 "budget_bytes": self.auto_placement.budget_bytes, "expected_bytes": self.auto_placement.expected_bytes,

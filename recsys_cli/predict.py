@@ -3,7 +3,8 @@
 Streams rows through a trained model and writes one click probability per
 input row, in input order. Raw Criteo TSV (40 fields, or 39 without the
 label: detected from the first line, or labels=true|false) is parsed like
-`recsys preprocess criteo` parses it and mapped with the vocabulary of the
+`recsys preprocess criteo` parses it (every line is a row: an empty or bad
+line is an error naming it, there is no skipping) and mapped with the vocabulary of the
 dataset the checkpoint was trained on (or vocab=DIR, which must be the same
 vocabulary). A dataset directory (a `recsys preprocess` output made with
 that vocabulary, e.g. with vocab=) is read split by split: split=NAME, or

@@ -128,6 +128,28 @@ def test_predict_bad_input(trained, tmp_path):
         predict(PredictConfig(**{**base, "vocab": str(tmp_path / "other")}))
 
 
+def test_an_empty_line_is_an_error_naming_it_and_writes_nothing(trained, tmp_path, capsys, monkeypatch):
+    """An empty line of raw input was dropped silently: 200 lines with one
+    empty gave 199 predictions, and with id_start= every id after it was off
+    by one from its input line. predict scores every row (it has no on_error):
+    an error naming the file and line, exit 2, no output."""
+    lines = ["\t".join(r) for r in trained["val_rows"][:20]]
+    raw = tmp_path / "in.txt"
+    raw.write_text("\n".join(lines[:7] + [""] + lines[7:]) + "\n")
+    out = tmp_path / "p.csv"
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={out}",
+                               "id_start=100", "progress=false", "device=cpu"], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(f"error: {raw} line 8: an empty line (expected 40 tab-separated fields)"), stderr
+    assert not out.exists() and not list(tmp_path.glob(".p.csv.tmp*"))
+    raw.write_text("\r\n".join(lines) + "\r\n")  # a final line end (CRLF too) is no empty line
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={out}",
+                               "id_start=100", "progress=false", "device=cpu"], capsys)
+    assert code == 0, stderr
+    assert len(out.read_text().splitlines()) == 1 + 20
+
+
 def test_truncated_checkpoint_and_missing_shard(trained, tmp_path):
     import shutil
 

@@ -191,6 +191,30 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path, capsys, monkeypatch):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize("command, option, message", [
+    ("predict", "batch_size=0", "batch_size must be >= 1 (or unset), got 0"),  # was the run's default, silently
+    ("predict", "batch_size=-3", "batch_size must be >= 1 (or unset), got -3"),
+    ("predict", "threads=0", "threads must be >= 1 (or unset), got 0"),  # was the default
+    ("predict", "threads=-1", "threads must be >= 1 (or unset), got -1"),  # was torch's RuntimeError
+    ("predict", "block_size=0", "block_size must be >= 1, got 0"),  # read nothing: a CSV of no predictions
+    ("evaluate", "batch_size=0", "batch_size must be >= 1 (or unset), got 0"),  # was the run's default
+    ("evaluate", "batch_size=-3", "batch_size must be >= 1 (or unset), got -3"),  # was the loader's ValueError
+    ("evaluate", "bins=0", "bins must be >= 1, got 0"),
+])
+def test_a_count_of_zero_is_refused_not_read_as_the_default(trained, tmp_path, capsys, monkeypatch, command, option,
+                                                            message):
+    """An unset option means the default; 0 is a value, and a count of 0 (or
+    less) is refused as one line, exit 2, before any output is written."""
+    out = tmp_path / "out"
+    argv = [command, f"checkpoint={trained['run']}", option, f"output={out}", "progress=false", "device=cpu"]
+    if command == "predict":
+        argv.append(f"input={write_raw(tmp_path / 'in.txt', trained['val_rows'][:10])}")
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(argv, capsys)
+    assert (code, stderr) == (2, f"error: {message}\n")
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- recsys evaluate
 
 

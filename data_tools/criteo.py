@@ -5,8 +5,9 @@ sample a line, 40 tab-separated fields, no header: label, I1..I13 (integers,
 may be negative, may be empty), C1..C26 (8 hex digits, i.e. a 32-bit hash, may
 be empty). LF or CRLF line endings; plain or gzip (detected from the file's
 first bytes); several files (a list or a glob, taken in natural order:
-day_2 before day_10) are read as one sequence of rows. Blank lines are
-ignored (they count for line numbers only).
+day_2 before day_10) are read as one sequence of rows. An empty line is a
+bad line like any other (named, or with on_error=skip skipped and counted in
+skipped_lines); the final line end of a file makes no empty line.
 
 Ids (per sparse feature, in [0, vocab_size)):
   * vocabulary mode (default, two passes). Pass 1 counts every value's

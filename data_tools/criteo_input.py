@@ -78,6 +78,7 @@ class TextBlock:
     first_line: int  # 1-based line number of the block's first line in its file
     data: bytes | memoryview
     bytes_read: int  # input bytes consumed so far (all files, compressed bytes for gz)
+    lines: int  # lines in data: its line ends, or 1 for a last line without one
 
 
 def file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
@@ -130,11 +131,12 @@ def text_blocks(paths: Sequence[Path], block_size: int) -> Iterator[TextBlock]:
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
             if cut:
-                yield TextBlock(fi, bi, line, memoryview(data)[:cut], done + pos)
-                line += data.count(b"\n", 0, cut)
+                lines = data.count(b"\n", 0, cut)
+                yield TextBlock(fi, bi, line, memoryview(data)[:cut], done + pos, lines)
+                line += lines
                 bi += 1
         if pending:  # a last line without a line end
-            yield TextBlock(fi, bi, line, pending, done + pos)
+            yield TextBlock(fi, bi, line, pending, done + pos, 1)
         done += path.stat().st_size
 
 
@@ -188,7 +190,7 @@ class BlockReader:
                 kept = join_lines(lines, set(bad))
                 return CheckedBlock(self._parse_clean(kept, want_dense), len(bad), bad, block)
         try:
-            return CheckedBlock(self.parser.parse(block.data, want_dense), 0, [], block)
+            return CheckedBlock(self.parser.parse(block.data, want_dense, block.lines), 0, [], block)
         except BadBlock:
             return self._slow(block, want_dense)
 
@@ -200,7 +202,7 @@ class BlockReader:
 
     def _line_ok(self, line: bytes) -> bool:
         try:
-            self.parser.parse(line + b"\n", False)
+            self.parser.parse(line + b"\n", False, 1)
             return True
         except BadBlock:
             return False
@@ -210,9 +212,7 @@ class BlockReader:
         lines = split_lines(bytes(block.data))
         bad: list[int] = []
         for i, raw in enumerate(lines):
-            line = strip_cr(raw)
-            if not line:
-                continue
+            line = strip_cr(raw)  # an empty line is bad: it falls through to _bad
             if self.parser.labels and LINE_RE.fullmatch(line) and label_ok(line, self.parser.label_int8):
                 continue
             if not self.parser.labels and UNLABELLED_LINE_RE.fullmatch(line):

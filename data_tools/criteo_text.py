@@ -165,8 +165,14 @@ class BlockParser:
             quoted_strings_can_be_null=False,
         )
 
-    def parse(self, data, want_dense: bool) -> DecodedBlock:
-        """Parse and check one block of whole lines; BadBlock if any line is bad."""
+    def parse(self, data, want_dense: bool, lines: int | None = None) -> DecodedBlock:
+        """Parse and check one block of whole lines; BadBlock if any line is bad.
+        lines: how many lines `data` holds (its line ends, and one for a last line
+        without one). Arrow skips an empty line (told not to, it reads a row of
+        nulls: a valid unlabelled row), so a row went missing uncounted; with
+        `lines` given, fewer rows than lines is an empty line, a bad line like
+        any other. Without it, an empty line is skipped (callers that drop bad
+        lines, or have no empty ones)."""
         buf = _arrow_owned(data)
         if buf.size == 0:  # no rows (every line of a block skipped as bad, or blank): arrays of 0 rows
             return DecodedBlock(0, np.zeros(0, np.float32) if self.labels else None,
@@ -178,10 +184,14 @@ class BlockParser:
             table = pacsv.read_csv(buf, self.read_options, self.parse_options, self.convert_options)
         except pa.ArrowInvalid as e:
             if "Empty CSV file" in str(e):
+                if lines:
+                    raise BadBlock("empty line") from None
                 return self.parse(b"", want_dense)
             raise BadBlock(str(e)) from None
         table = table.combine_chunks()
         n = table.num_rows
+        if lines is not None and n != lines:
+            raise BadBlock("empty line")
         label = None
         if self.labels:
             label_col = table.column(0).chunk(0) if table.column(0).num_chunks else pa.array([], pa.float32())
@@ -242,6 +252,8 @@ def _looks_unlabelled(fields: list[str]) -> bool:
 def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
     """Why a line is bad: 'column X: ...' (or a generic reason)."""
     text = line.decode("utf-8", errors="replace")
+    if not text:
+        return f"an empty line (expected {NUM_COLUMNS if labels else NUM_COLUMNS - 1} tab-separated fields)"
     fields = text.split("\t")
     if not labels:
         if len(fields) != NUM_COLUMNS - 1:

@@ -197,6 +197,7 @@ class PlacementConfig:
     # disk: reads in flight at once (threads issuing the coalesced preads).
     disk_io_threads: int = 8
     # auto: bytes of host memory the tables may use; tables that do not fit go to disk.
+    # On a CPU the device tier is host memory too: its budget is the smaller of this and device_memory_budget.
     host_memory_budget: Optional[str] = None
     # With trainer.nproc > 1: every table on every rank, or split over the ranks
     # (embeddings/sharding.py); a shard sits wherever `kind` puts its table.

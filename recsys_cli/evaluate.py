@@ -33,7 +33,7 @@ from typing import Literal, Optional
 
 import torch
 
-from recsys_cli.config import DeviceChoice, PrecisionKind
+from recsys_cli.config import DeviceChoice, PrecisionKind, Range
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import CONVERT_RENAMED, Renamed, plain_word, help_text, parse_options, require, wants_help
@@ -48,12 +48,16 @@ class EvaluateConfig:
     split: Optional[str] = None  # the split to score (default: test, else val)
     output: Optional[str] = None  # the directory to write (default: <run dir>/evaluate-<split>)
     bins: int = 10  # calibration bins over the predicted probability
-    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
+    batch_size: Optional[int] = None  # rows per batch, >= 1 (unset: the run's trainer.eval_batch_size)
     device: DeviceChoice = DeviceChoice.auto  # auto (cuda when there is one) | cpu | cuda
     # Score with the tables converted to fp32 | fp16 | int8 | int4 (default: as trained).
     convert: Optional[PrecisionKind] = None
     plots: bool = True  # write roc.png and calibration.png (false: evaluation.json only)
     progress: bool = True  # a progress bar on a terminal
+
+
+# The numbers the options may hold (config.Range, as train's keys): 0 is not a count, never "the default".
+RANGES = {"bins": Range(1), "batch_size": Range(1, unset=True)}
 
 
 def metrics(logits: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> dict:
@@ -121,8 +125,8 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
 
     console = console or Console(stderr=True, highlight=False)
     checkpoint = require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
-    if cfg.bins < 1:
-        raise UserError(f"bins must be >= 1, got {cfg.bins}")
+    for key, limits in RANGES.items():
+        limits.check(key, getattr(cfg, key))
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
@@ -139,7 +143,7 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
             raise UserError(f"{dataset} has no test or val rows: give split= (splits: {', '.join(manifest.splits)})")
     if split not in manifest.splits or not manifest.splits[split].rows:
         raise UserError(f"split {split!r} of {dataset} is missing or empty (splits: {', '.join(manifest.splits)})")
-    batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
+    batch_size = cfg.batch_size if cfg.batch_size is not None else int(loaded.config["trainer"]["eval_batch_size"])
     run_dir = loaded.checkpoint.parent.parent if loaded.checkpoint.parent.name == "checkpoints" else loaded.checkpoint.parent
     output = Path(cfg.output).expanduser() if cfg.output else run_dir / f"evaluate-{split}"
     hold.enter_context(locked_output(output, "output", "evaluate"))  # one writer; an unwritable place said now

@@ -3,7 +3,8 @@
 Streams rows through a trained model and writes one click probability per
 input row, in input order. Raw Criteo TSV (40 fields, or 39 without the
 label: detected from the first line, or labels=true|false) is parsed like
-`recsys preprocess criteo` parses it and mapped with the vocabulary of the
+`recsys preprocess criteo` parses it (every line is a row: an empty or bad
+line is an error naming it, there is no skipping) and mapped with the vocabulary of the
 dataset the checkpoint was trained on (or vocab=DIR, which must be the same
 vocabulary). A dataset directory (a `recsys preprocess` output made with
 that vocabulary, e.g. with vocab=) is read split by split: split=NAME, or
@@ -29,7 +30,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from recsys_cli.config import DeviceChoice, PrecisionKind
+from recsys_cli.config import DeviceChoice, PrecisionKind, Range
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
 from recsys_cli.locks import locked_output
@@ -47,15 +48,19 @@ class PredictConfig:
     id_start: Optional[int] = None  # add an id column counting from this number
     id_name: str = "Id"  # the id column's name
     prob_name: str = "Predicted"  # the probability column's name
-    batch_size: Optional[int] = None  # rows per batch (default: the run's trainer.eval_batch_size)
+    batch_size: Optional[int] = None  # rows per batch, >= 1 (unset: the run's trainer.eval_batch_size)
     device: DeviceChoice = DeviceChoice.auto  # auto (cuda when there is one) | cpu | cuda
     # Score with the tables converted to fp32 | fp16 | int8 | int4 (default: as trained).
     convert: Optional[PrecisionKind] = None
     block_size: int = 8 << 20  # bytes of raw text parsed at a time
-    # torch intra-op threads; default half the cores: the other half parse (measured on 2 cores: 1 thread
+    # torch intra-op threads, >= 1; unset: half the cores, the other half parse (measured on 2 cores: 1 thread
     # scores 5x faster than 2, whose parallel regions stall whenever the parser threads hold a core)
     threads: Optional[int] = None
     progress: bool = True  # a progress bar on a terminal
+
+
+# The numbers the options may hold (config.Range, as train's keys): 0 is not a count, never "the default".
+RANGES = {"batch_size": Range(1, unset=True), "block_size": Range(1), "threads": Range(1, unset=True)}
 
 
 # --------------------------------------------------------------------------- sources of rows
@@ -276,6 +281,8 @@ def predict(cfg: PredictConfig, console=None) -> dict:
     console = console or Console(stderr=True, highlight=False)
     checkpoint = require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
+    for key, limits in RANGES.items():  # before the output is touched and the model loads
+        limits.check(key, getattr(cfg, key))
     output = Path(require(cfg.output, "output", "predict", "a CSV file to write")).expanduser()
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")
@@ -289,9 +296,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     from data_tools.manifest import MANIFEST_NAME
 
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
-    batch_size = cfg.batch_size or int(loaded.config["trainer"]["eval_batch_size"])
-    if batch_size < 1:
-        raise UserError(f"batch_size must be >= 1, got {batch_size}")
+    batch_size = cfg.batch_size if cfg.batch_size is not None else int(loaded.config["trainer"]["eval_batch_size"])
     source = Path(str(cfg.input)).expanduser()
     t0 = time.perf_counter()
     writer = None
@@ -320,7 +325,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         what = ", ".join(map(str, paths))
     writer = PredictionWriter(output, cfg.id_start, cfg.id_name, cfg.prob_name)
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(cfg.threads if cfg.threads is not None else max(1, (os.cpu_count() or 2) // 2))
     try:
         with progress:
             for logits, _ in logit_blocks():

@@ -466,6 +466,21 @@ def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, mess
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
 
 
+def test_a_train_split_smaller_than_one_batch_is_one_line_before_the_run_directory(tmp_path, train):
+    """A 10-row train split at the default trainer.batch_size=256 was the
+    loader's ValueError as a traceback, exit 1, after the run directory was made."""
+    data = write_dataset(tmp_path, {"train": 10, "val": 5, "test": 5})
+    r = train(f"dataset.path={data}", "trainer.progress=false", "hydra.run.dir=run")
+    assert_user_error(r, f"split 'train' of {data} has 10 rows, fewer than one global batch of trainer.batch_size=256",
+                      "lower trainer.batch_size", "trainer.drop_last=false")
+    assert not (tmp_path / "run").exists()
+    # placement=auto samples its batches as the run trains them: the one partial batch with drop_last=false
+    r = train(f"dataset.path={data}", "trainer.drop_last=false", "placement=auto", "trainer.progress=false",
+              f"optimizer.lr={LR}", "hydra.run.dir=run")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
 # --- 9. dedup on a dataset without sessions ------------------------------------------------------------------------
 
 
@@ -491,6 +506,25 @@ def test_dedup_without_sessions_dedups_in_batch_and_says_so(tmp_path):
     assert "shuffled samples (no session column)" in console.export_text()
     with pytest.raises(UserError, match="dedup.keep_sessions=true but .* names no session column .*dataset=synthetic_sessions"):
         Trainer(config(tmp_path, optimizer__lr=LR, **common, dedup__enabled=True, dedup__keep_sessions=True))
+
+
+def test_dedup_with_sessions_turned_off_says_so_not_no_session_column(tmp_path):
+    """dataset=synthetic_sessions dedup=on dedup.keep_sessions=false said
+    "shuffled samples (no session column)": the dataset has one, the user
+    turned session-keeping off."""
+    from recsys_cli.train.progress import summary_table
+    from recsys_cli.train.trainer import Trainer
+    from rich.console import Console
+
+    data = tiny_dataset(tmp_path, multihot=1, vocab=20, sessions=True)
+    summary = Trainer(config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50,
+                             trainer__max_steps=2, dedup__enabled=True, dedup__keep_sessions=False)).fit()
+    assert summary["session_shuffle"] is False and summary["session_column"]
+    console = Console(width=200, record=True)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "shuffled samples (sessions not kept: dedup.keep_sessions=false)" in text
+    assert "no session column" not in text
 
 
 def test_cli_dedup_on_data_without_sessions(tmp_path, train):

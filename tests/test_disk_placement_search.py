@@ -61,3 +61,33 @@ def test_placed_bytes_match_what_the_groups_allocate(tmp_path, precision, optimi
     memory = embeddings.memory()
     assert {"device": memory["device"], "host": memory["host"]} == tight.expected_bytes
     assert memory["disk"] == tight.disk_bytes
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_a_cpu_the_host_budget_bounds_the_device_tier_too(tmp_path, device):
+    """On a CPU the device tier is host memory: placement=auto with only
+    placement.host_memory_budget lowered kept every table whole on the
+    "device" (host RAM) within the default 64MiB device budget, nothing on
+    disk. There the smaller budget bounds it; on CUDA (placed here without
+    one: the search allocates nothing) device_memory_budget alone, as before."""
+    from datasets import write_dataset
+    from recsys_cli.data.loader import ShardLoader
+    from recsys_cli.embeddings.placement import measure_and_place
+
+    data = write_dataset(tmp_path, {"train": 600}, vocab=20_000)
+    loader = ShardLoader(data, "train", 100, shuffle=False)
+    batches = [b.sparse for b in loader]
+    vocab = [f.vocab_size for f in loader.manifest.sparse_features]
+    host_budget = 2**20  # of 3 tables x 20,000 rows x (8 + 1 state) fp32 = 2.1 MiB
+    placement = OmegaConf.structured(PlacementConfig(kind="auto", device_memory_budget="64MiB",
+                                                     host_memory_budget=f"{host_budget}"))
+    placed = measure_and_place(loader.features, vocab, DIM, placement, OmegaConf.structured(PrecisionConfig()),
+                               RowOptimizer("adagrad"), batches, torch.device(device))
+    if device == "cpu":
+        assert placed.budget_bytes == host_budget and placed.budget_key == "placement.host_memory_budget"
+        assert placed.disk_tables and placed.expected_bytes["device"] <= host_budget
+        assert placed.expected_bytes["host"] <= host_budget
+        assert "placement.host_memory_budget: on a CPU the device is host memory" in str(placed.table().title)
+    else:
+        assert set(placed.placements.values()) == {"device"} and placed.budget_bytes == 64 * 2**20
+        assert placed.budget_key == "placement.device_memory_budget"

@@ -128,6 +128,28 @@ def test_predict_bad_input(trained, tmp_path):
         predict(PredictConfig(**{**base, "vocab": str(tmp_path / "other")}))
 
 
+def test_an_empty_line_is_an_error_naming_it_and_writes_nothing(trained, tmp_path, capsys, monkeypatch):
+    """An empty line of raw input was dropped silently: 200 lines with one
+    empty gave 199 predictions, and with id_start= every id after it was off
+    by one from its input line. predict scores every row (it has no on_error):
+    an error naming the file and line, exit 2, no output."""
+    lines = ["\t".join(r) for r in trained["val_rows"][:20]]
+    raw = tmp_path / "in.txt"
+    raw.write_text("\n".join(lines[:7] + [""] + lines[7:]) + "\n")
+    out = tmp_path / "p.csv"
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={out}",
+                               "id_start=100", "progress=false", "device=cpu"], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(f"error: {raw} line 8: an empty line (expected 40 tab-separated fields)"), stderr
+    assert not out.exists() and not list(tmp_path.glob(".p.csv.tmp*"))
+    raw.write_text("\r\n".join(lines) + "\r\n")  # a final line end (CRLF too) is no empty line
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={out}",
+                               "id_start=100", "progress=false", "device=cpu"], capsys)
+    assert code == 0, stderr
+    assert len(out.read_text().splitlines()) == 1 + 20
+
+
 def test_truncated_checkpoint_and_missing_shard(trained, tmp_path):
     import shutil
 
@@ -167,6 +189,30 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path, capsys, monkeypatch):
     r = subprocess.run([RECSYS, *cases[0]], capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error:"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("command, option, message", [
+    ("predict", "batch_size=0", "batch_size must be >= 1 (or unset), got 0"),  # was the run's default, silently
+    ("predict", "batch_size=-3", "batch_size must be >= 1 (or unset), got -3"),
+    ("predict", "threads=0", "threads must be >= 1 (or unset), got 0"),  # was the default
+    ("predict", "threads=-1", "threads must be >= 1 (or unset), got -1"),  # was torch's RuntimeError
+    ("predict", "block_size=0", "block_size must be >= 1, got 0"),  # read nothing: a CSV of no predictions
+    ("evaluate", "batch_size=0", "batch_size must be >= 1 (or unset), got 0"),  # was the run's default
+    ("evaluate", "batch_size=-3", "batch_size must be >= 1 (or unset), got -3"),  # was the loader's ValueError
+    ("evaluate", "bins=0", "bins must be >= 1, got 0"),
+])
+def test_a_count_of_zero_is_refused_not_read_as_the_default(trained, tmp_path, capsys, monkeypatch, command, option,
+                                                            message):
+    """An unset option means the default; 0 is a value, and a count of 0 (or
+    less) is refused as one line, exit 2, before any output is written."""
+    out = tmp_path / "out"
+    argv = [command, f"checkpoint={trained['run']}", option, f"output={out}", "progress=false", "device=cpu"]
+    if command == "predict":
+        argv.append(f"input={write_raw(tmp_path / 'in.txt', trained['val_rows'][:10])}")
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(argv, capsys)
+    assert (code, stderr) == (2, f"error: {message}\n")
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- recsys evaluate

@@ -33,7 +33,7 @@ from recsys_cli.embeddings.cache_size import cache_size
 from recsys_cli.embeddings.collection import EmbeddingBagCollection
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.access_profile import measure_access
-from recsys_cli.embeddings.placement_bytes import parse_bytes
+from recsys_cli.embeddings.placement_bytes import BUDGET_KEY, HOST_BUDGET_KEY, parse_bytes
 from recsys_cli.embeddings.placement_search import TablePlacements, place_tables
 from recsys_cli.embeddings.store import RowStore
 from recsys_cli.embeddings.table_init import TableSpec, build_initial_rows
@@ -176,21 +176,26 @@ def make_disk_group(specs, table_precision, table_rows, placement, precision, op
 
 
 def measure_and_place(features: list[str], vocab_sizes: list[int], dim: int, placement, precision, optimizer: RowOptimizer,
-                      sample_batches) -> TablePlacements:
+                      sample_batches, device: torch.device) -> TablePlacements:
     """placement=auto: measure the access skew of a sample of training
     batches and let the placement search place every table within the device budget
-    (and, with placement.host_memory_budget, the host budget: the rest on disk)."""
+    (and, with placement.host_memory_budget, the host budget: the rest on disk).
+    On a CPU the device tier is host memory, so both budgets bound it: its
+    budget is the smaller of the two (on CUDA, device_memory_budget alone)."""
 
     if not placement.device_memory_budget:
         raise UserError("placement=auto needs placement.device_memory_budget=SIZE (e.g. 64MiB, 2GiB)")
-    budget = parse_bytes(placement.device_memory_budget)
+    budget, budget_key = parse_bytes(placement.device_memory_budget), BUDGET_KEY
+    host_budget = (parse_bytes(placement.host_memory_budget, HOST_BUDGET_KEY)
+                   if placement.host_memory_budget else None)
+    if device.type == "cpu" and host_budget is not None and host_budget < budget:
+        budget, budget_key = host_budget, HOST_BUDGET_KEY
     profile = measure_access(sample_batches, features, vocab_sizes)
     tables = [TableSpec(f, n, dim) for f, n in zip(features, vocab_sizes)]
     return place_tables(
         tables, profile.hot_rows(), budget, precision=precision.kind,
         optimizer_state_per_row=1 if optimizer.has_state else 0,
         batch_unique_rows=profile.batch_unique_rows, reads=profile.reads, policy=placement.policy,
-        host_budget_bytes=(parse_bytes(placement.host_memory_budget, "placement.host_memory_budget")
-                           if placement.host_memory_budget else None),
+        host_budget_bytes=host_budget, budget_key=budget_key,
         host_cache_ratio=placement.host_cache_ratio,
     )

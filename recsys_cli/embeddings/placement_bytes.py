@@ -22,6 +22,7 @@ from recsys_cli.embeddings.table_init import TableSpec
 from recsys_cli.errors import UserError
 
 BUDGET_KEY = "placement.device_memory_budget"
+HOST_BUDGET_KEY = "placement.host_memory_budget"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 _UNITS = {

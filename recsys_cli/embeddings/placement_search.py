@@ -69,6 +69,7 @@ class TablePlacements:
     num_rows: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None
     disk_bytes: int = 0  # bytes of the disk tables' files
+    budget_key: str = BUDGET_KEY  # the key budget_bytes came from (on a CPU, maybe placement.host_memory_budget)
 
     @property
     def total_cache_rows(self) -> int:
@@ -108,7 +109,8 @@ class TablePlacements:
 
         table = Table(
             title=f"table placement: {format_bytes(self.expected_bytes['device'])} of "
-                  f"{format_bytes(self.budget_bytes)} device budget",
+                  f"{format_bytes(self.budget_bytes)} device budget"
+                  + ("" if self.budget_key == BUDGET_KEY else f" ({self.budget_key}: on a CPU the device is host memory)"),
             header_style="bold",
         )
         for name, justify in (("table", "left"), ("rows", "right"), ("placement", "left"), ("precision", "left"),
@@ -152,6 +154,7 @@ def place_tables(
     policy: str = "lru",
     host_budget_bytes: int | None = None,
     host_cache_ratio: float = 0.05,
+    budget_key: str = BUDGET_KEY,
 ) -> TablePlacements:
     """Choose `device` or `lookahead` (with a cache size) for every table so the
     embeddings use at most `budget_bytes` of device memory; see the module
@@ -167,11 +170,12 @@ def place_tables(
     features, as in Criteo). policy: the cache's victim policy
     (placement.policy); the bytes do not depend on it (LFU admission, and its
     per-row use counts, belong to the on-demand cache only).
+    budget_key: the config key budget_bytes came from, for the messages.
     Raises UserError when even the minimum caches do not fit."""
     if precision not in PRECISIONS:
         raise UserError(f"precision.kind={precision!r} is not one of {', '.join(PRECISIONS)}")
     if budget_bytes < 0:
-        raise UserError(f"{BUDGET_KEY} is negative ({budget_bytes} bytes)")
+        raise UserError(f"{budget_key} is negative ({budget_bytes} bytes)")
     if not 0 < target_hit_rate <= 1:
         raise UserError(f"target hit rate must be in (0, 1], got {target_hit_rate}")
     names = [t.name for t in tables]
@@ -211,7 +215,7 @@ def place_tables(
             if min_needed + reserve > budget_bytes:
                 worst = max(tables, key=lambda t: minimum[t.name] * row_b[t.name])
                 raise UserError(
-                    f"{BUDGET_KEY}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
+                    f"{budget_key}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
                     f"need {format_bytes(total_full)} and even caches that hold one batch's unique rows of every "
                     f"table need {format_bytes(min_needed + reserve)} ({min_needed + reserve:,} bytes, of which "
                     f"{reserve:,} for the CUDA allocator's rounding; the largest, {worst.name}, "
@@ -287,7 +291,7 @@ def place_tables(
         placements=placements, cache_rows=cache, expected_bytes=expected, reasons=reasons,
         budget_bytes=budget_bytes, precision=precision, table_bytes=table_bytes,
         num_rows={t.name: t.num_rows for t in tables}, host_budget_bytes=host_budget_bytes,
-        disk_bytes=sum(b.get("disk", 0) for b in table_bytes.values()),
+        disk_bytes=sum(b.get("disk", 0) for b in table_bytes.values()), budget_key=budget_key,
     )
 
 

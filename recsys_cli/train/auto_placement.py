@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.embeddings.optim import RowOptimizer
 from recsys_cli.embeddings.placement import measure_and_place
@@ -12,9 +14,12 @@ SAMPLE_BATCHES = 64
 
 
 def sample_sparse(data: TrainingData, batch_size: int, seed: int, count: int = SAMPLE_BATCHES) -> list:
-    """The sparse ids of the first `count` training batches in the run's own shuffled order."""
+    """The sparse ids of the first `count` training batches in the run's own shuffled order:
+    whole batches, or the one partial batch of a train split smaller than one
+    batch (trainer.drop_last=false; training_data refuses it otherwise)."""
     batches = []
-    for batch in ShardLoader(data.directory, "train", batch_size, shuffle=True, seed=seed):
+    whole = data.manifest.splits["train"].rows >= batch_size
+    for batch in ShardLoader(data.directory, "train", batch_size, shuffle=True, seed=seed, drop_last=whole):
         batches.append(batch.sparse)
         if len(batches) == count:
             break
@@ -37,8 +42,8 @@ def expected_lookups(data: TrainingData, batch_size: int, seed: int, count: int 
     return out
 
 
-def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer) -> TablePlacements:
-    """The placements placement=auto trains with: chosen from the skew of the first training batches."""
+def auto_placement(cfg, data: TrainingData, row_optimizer: RowOptimizer, device: torch.device) -> TablePlacements:
+    """The placements placement=auto trains with on `device`: chosen from the skew of the first training batches."""
     batches = sample_sparse(data, cfg.trainer.batch_size, cfg.trainer.seed)
     return measure_and_place(data.features, data.vocab_sizes, cfg.model.embedding_dim, cfg.placement, cfg.precision,
-                     row_optimizer, batches)
+                     row_optimizer, batches, device)

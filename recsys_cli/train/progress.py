@@ -50,6 +50,19 @@ class TrainProgress:
             self.progress.remove_task(task)
 
 
+def dedup_batches(summary: dict) -> str:
+    """What a deduplicated run's batches held, and why: sessions are kept by
+    default where the dataset has a session column, unless the user turned
+    that off."""
+    if summary.get("session_shuffle"):
+        return "whole sessions"
+    if summary.get("session_column"):
+        return "shuffled samples (sessions not kept: dedup.keep_sessions=false)"
+    if "session_column" in summary:
+        return "shuffled samples (no session column)"
+    return "shuffled samples"  # a summary.json from before session_column: the reason is not known
+
+
 def summary_table(summary: dict) -> Table:
     table = Table(title="recsys train: summary", show_header=True, header_style="bold")
     table.add_column("what")
@@ -61,8 +74,7 @@ def summary_table(summary: dict) -> Table:
     add("device / placement / precision / dedup",
         f"{summary['device']} / {summary['placement']} / {summary['precision']} / {'on' if summary['dedup'] else 'off'}")
     if summary["dedup"]:  # in-batch dedup needs no sessions; they only make batches hold more duplicates
-        add("dedup batches", "whole sessions" if summary.get("session_shuffle")
-            else "shuffled samples (no session column)")
+        add("dedup batches", dedup_batches(summary))
     add("steps", f"{summary['steps']:,}")
     loop = summary.get("loop") or {}
     if loop.get("stopped"):

@@ -79,7 +79,7 @@ class Trainer:
         torch.manual_seed(tc.seed)
         opt = cfg.optimizer
         row_optimizer = RowOptimizer(opt.name, opt.lr, opt.eps, opt.initial_accumulator)
-        self.auto_placement = auto_placement(cfg, data, row_optimizer) if cfg.placement.kind == "auto" else None
+        self.auto_placement = auto_placement(cfg, data, row_optimizer, self.device) if cfg.placement.kind == "auto" else None
         if self.auto_placement is not None and self.console is not None:
             self.console.print(self.auto_placement.table())
             for line in self.auto_placement.why_lines():  # whole lines: a terminal wraps them, a log keeps them greppable
@@ -638,6 +638,7 @@ class Trainer:
             "precision": cfg.precision.kind,
             "dedup": cfg.dedup.enabled,
             "session_shuffle": self.data.keep_sessions,  # batches hold whole sessions
+            "session_column": self.data.manifest.session_column,  # the dataset's, or None
             "cache": self.embeddings.stats(),
             "auto_placement": None if self.auto_placement is None else {
                 "budget_bytes": self.auto_placement.budget_bytes, "expected_bytes": self.auto_placement.expected_bytes,

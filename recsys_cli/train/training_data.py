@@ -65,7 +65,24 @@ def training_data(cfg) -> TrainingData:
             f"model {cfg.model.name} expects sparse features {list(cfg.model.features)}, "
             f"but {directory}/manifest.json has {features}"
         )
+    check_train_rows(cfg.trainer, manifest, directory)
     return TrainingData(directory, manifest, session_shuffle(cfg.dedup, manifest.session_column, directory))
+
+
+def check_train_rows(trainer, manifest: Manifest, directory: Path) -> None:
+    """The train split holds at least one batch the run can train on: with
+    trainer.drop_last=true (the default) a split smaller than one global batch
+    has none, and the loader's ValueError was a traceback mid-start."""
+    split = manifest.splits.get("train")
+    rows = split.rows if split is not None else 0
+    if rows == 0:
+        raise UserError(f"split 'train' of {directory} has no rows: nothing to train on")
+    if trainer.drop_last and rows < trainer.batch_size:
+        raise UserError(
+            f"split 'train' of {directory} has {rows:,} rows, fewer than one global batch of "
+            f"trainer.batch_size={trainer.batch_size}: lower trainer.batch_size, or set trainer.drop_last=false "
+            "to train on them as one smaller batch (one process only)"
+        )
 
 
 def session_shuffle(dedup, session_column: str | None, directory: Path) -> bool:

@@ -25,9 +25,12 @@ def say(console: Any, text: object, label: str = "", style: str = "bold", **kwar
     markup: a bracket in a path, a user's value or an exception's message
     (gloo's `[/__w/pytorch/...cc:78]`) is printed as it is, and printing it
     never fails (issue 40 problem 7). Every line with such text goes through
-    here (recsys_cli.errors re-exports it)."""
+    here (recsys_cli.errors re-exports it). Off a terminal (a log file, a
+    pipe: rich's width is then 80) the line is not wrapped, so a logged line
+    stays one line to grep."""
     from rich.text import Text
 
     line = Text.assemble((label, style), " ") if label else Text()
     line.append(str(text))
+    kwargs.setdefault("soft_wrap", not getattr(console, "is_terminal", False))
     console.print(line, **kwargs)

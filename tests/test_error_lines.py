@@ -36,6 +36,16 @@ def test_say_prints_the_text_as_it_is(text):
     assert printed(text, label="error:", style="bold red") == f"error: {text}\n"
 
 
+def test_a_line_is_one_line_in_a_log_and_wrapped_on_a_terminal():
+    """Off a terminal rich's width is 80: a run's lines (resumed from PATH at
+    step N, a predict summary) broke mid-sentence in a log file."""
+    long = "resumed from " + "/a/long/run/directory" * 6 + "/checkpoints/step-00001500.pt at step 1500"
+    for terminal in (False, True):
+        out = io.StringIO()
+        say(Console(file=out, width=40, force_terminal=terminal, color_system=None), long)
+        assert (out.getvalue() == long + "\n") is not terminal, out.getvalue()
+
+
 @pytest.mark.parametrize("text", NASTY)
 def test_error_and_warning_lines_hold_brackets(text, capsys):
     with pytest.raises(SystemExit) as exited:

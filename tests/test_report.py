@@ -320,7 +320,7 @@ def test_the_console_shows_a_sharded_runs_ranks(tmp_path):
     write_run(root / "1", ["trainer.nproc=2", "placement.sharding=auto"])
     summary = json.loads((root / "1" / "summary.json").read_text())
     (root / "1" / "summary.json").write_text(json.dumps({**summary, "sharding": SHARDING}))
-    console = Console(width=80, record=True)
+    console = Console(width=80, record=True, force_terminal=True)  # an 80-column terminal (off one, lines are not wrapped)
     build_report(root, console=console, plots=False)
     text = console.export_text()
     part = text[text.index("sharded tables, per rank"):]

@@ -832,10 +832,18 @@ class CachedGroup(TableGroup):
             self.cond.notify_all()
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """Current rows, for evaluation: resident ones from their slots (the
-        owner, invariant 1: a dirty row's store copy is stale), once their
-        fills have landed (the prefetcher may still be filling); only the
-        others from the store, so a disk store reads just the misses."""
+        """Current rows: resident ones from their slots (the owner, invariant
+        1: a dirty row's store copy is stale), once their fills have landed
+        (the prefetcher may still be filling); only the others from the
+        store, so a disk store reads just the misses."""
+        return self._read(ids, as_saved=False)
+
+    def read_as_saved(self, ids: torch.Tensor) -> torch.Tensor:
+        """read(), a low-precision cache's dirty rows rounded into the table's
+        precision as a checkpoint rounds them (_as_saved): what an evaluation scores."""
+        return self._read(ids, as_saved=self.store.precision != "fp32")
+
+    def _read(self, ids: torch.Tensor, as_saved: bool) -> torch.Tensor:
         with self.cond:
             self._settled()
             slots = self.slot_index.lookup(ids)
@@ -849,7 +857,7 @@ class CachedGroup(TableGroup):
             if hit_at.numel():
                 self._wait_fills()
                 cached = self.cache_rows.index_select(0, self._pinned_to_device(slots[hit_at]))
-                if self.store.precision != "fp32":
+                if as_saved:
                     cached = self._as_saved(ids[hit_at.to(ids.device)], slots[hit_at], cached)
                 rows.index_copy_(0, self._pinned_to_device(hit_at), cached)
             return rows

@@ -159,7 +159,7 @@ class EmbeddingBagCollection(nn.Module):
             else:
                 rows = plan.rows  # read by another rank (distributed cache_avg evaluation)
                 if rows is None:
-                    rows = group.read(plan.unique)
+                    rows = group.read_as_saved(plan.unique)
             pooled = SumPool.apply(rows, plan.inverse, plan.offsets, plan.row_grad)
             if plan.bag_inverse is not None:
                 pooled = ExpandBags.apply(pooled, plan.bag_inverse.reshape(-1), plan.bag_grad)

@@ -192,6 +192,8 @@ class ReplicatedCache(Protocol):
 
     def read(self, ids: torch.Tensor) -> torch.Tensor: ...
 
+    def read_as_saved(self, ids: torch.Tensor) -> torch.Tensor: ...
+
 
 class CheckpointedCache(Protocol):
     """Checkpoints, resume and evaluation: reads that change nothing (no
@@ -199,6 +201,10 @@ class CheckpointedCache(Protocol):
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 current rows of `ids` (cached copy where resident)."""
+        ...
+
+    def read_as_saved(self, ids: torch.Tensor) -> torch.Tensor:
+        """read(), as a checkpoint of this moment saves the rows (what an evaluation scores)."""
         ...
 
     def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]: ...

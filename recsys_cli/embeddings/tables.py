@@ -80,6 +80,13 @@ class TableGroup(abc.ABC):
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current fp32 rows, no side effects (evaluation, checks)."""
 
+    def read_as_saved(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows an evaluation scores: `ids` as a checkpoint of this moment
+        saves them, so `recsys evaluate` on it gives the run's figures. A
+        store's rows are what it saves; a low-precision cache rounds its
+        dirty rows (CachedGroup)."""
+        return self.read(ids)
+
     # --- whole-table access: checkpoints and reports -----------------------
     def table_state(self, patch_beside: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """Per table, the current rows in the store's native tensors (rows in

@@ -141,7 +141,7 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
                     if o.input_line is not None and not o.key_or_group.startswith("hydra")]
             sweeps = [o for o in keep if o.is_sweep_override()]
             if not (multirun and sweeps):
-                return _checked([o.input_line for o in keep if not o.is_sweep_override()])
+                return _checked([o.input_line for o in keep if o.input_line is not None and not o.is_sweep_override()])
             jobs = BasicSweeper.split_arguments(keep, None)[0]
         except (HydraException, OmegaConfBaseException, ValueError) as e:
             raise _bad_configuration(e) from None

@@ -236,7 +236,7 @@ class CacheAvg(DataParallel):
             ids = all_gather_varlen(plan.unique, self.ctx.group)
             total = sum(i.numel() for i in ids)
             if self.ctx.is_main:
-                rows = group.read(torch.cat(ids)).contiguous()
+                rows = group.read_as_saved(torch.cat(ids)).contiguous()
             else:
                 rows = torch.empty(total, group.dim, device=group.device)
             broadcast_(rows, 0, self.ctx.group)

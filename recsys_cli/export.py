@@ -244,22 +244,23 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
     -> (dense int64 [B, 13], categorical int64 [B, 26]), an artifact's inputs,
     parsed as `recsys preprocess` parses them; ValueError naming the first
     bad line (its 1-based position in `lines`) and column. Each item is one
-    line, with or without its LF or CRLF; empty ones are skipped."""
+    line, with or without its LF or CRLF, and gives one row: an empty item is
+    a bad line (skipping it would shift every later row against its input)."""
     import numpy as np
 
     from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line, strip_cr
 
     # (1-based position in `lines`, the line without its LF: a CR before it is
-    # left for the parser, which takes CRLF and refuses any other CR); empty lines skipped
+    # left for the parser, which takes CRLF and refuses any other CR)
     numbered = []
     for i, ln in enumerate(lines, 1):
         ln = ln.encode() if isinstance(ln, str) else bytes(ln)
-        ln = ln[:-1] if ln.endswith(b"\n") else ln
-        if ln not in (b"", b"\r"):
-            numbered.append((i, ln))
+        numbered.append((i, ln[:-1] if ln.endswith(b"\n") else ln))
     if not numbered:
         return torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)
-    labels = strip_cr(numbered[0][1]).count(b"\t") + 1 == NUM_COLUMNS
+    # Labelled or not: the first line that has fields (an empty one is refused below, by its position).
+    first = next((strip_cr(ln) for _, ln in numbered if strip_cr(ln)), b"")
+    labels = first.count(b"\t") + 1 == NUM_COLUMNS
     parser = BlockParser(labels=labels)
 
     def parse(k: int):

@@ -159,11 +159,11 @@ def ref_line(line: bytes, labels: bool) -> Row | str | None:
     return Row(label, dense, sparse)
 
 
-def reference(data: bytes, labels: bool = True, skip_empty: bool = False) -> tuple[list[Row], list[Bad]]:
+def reference(data: bytes, labels: bool = True) -> tuple[list[Row], list[Bad]]:
     """Lines end at LF; one CR before it is part of the line end; an empty line
-    is a bad line (a wrong field count), or with skip_empty skipped (export.raw_inputs'
-    items; it still counts for line numbers); the last line may lack its LF
-    (a final LF ends the last line: no empty line after it)."""
+    is a bad line (a wrong field count), for preprocess, predict and
+    export.raw_inputs' items alike; the last line may lack its LF (a final LF
+    ends the last line: no empty line after it)."""
     pieces = data.split(b"\n")
     if pieces[-1] == b"":
         pieces.pop()
@@ -171,8 +171,6 @@ def reference(data: bytes, labels: bool = True, skip_empty: bool = False) -> tup
     for n, line in enumerate(pieces, 1):
         if line.endswith(b"\r"):
             line = line[:-1]
-        if line == b"" and skip_empty:
-            continue
         r = ref_line(line, labels)  # an empty line: one field, a wrong count
         if isinstance(r, Row):
             rows.append(r)
@@ -479,7 +477,7 @@ def test_raw_inputs(labels, data, as_str):
             pass
     # raw_inputs tells labelled from unlabelled lines by the first line's field count (40 or not)
     first = next((ln[:-1] if ln.endswith(b"\r") else ln for ln in lines if ln not in (b"", b"\r")), b"")
-    rows, bad = reference(text, first.count(b"\t") + 1 == 40, skip_empty=True)
+    rows, bad = reference(text, first.count(b"\t") + 1 == 40)  # an empty item is a bad line: one row an item
     try:
         dense, categorical = raw_inputs(items)
     except ValueError as e:

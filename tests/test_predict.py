@@ -150,6 +150,21 @@ def test_an_empty_line_is_an_error_naming_it_and_writes_nothing(trained, tmp_pat
     assert len(out.read_text().splitlines()) == 1 + 20
 
 
+def test_the_serving_parser_gives_one_row_an_item_or_names_the_empty_one(trained):
+    """export.raw_inputs skipped empty items: a caller matching its scores to
+    its requests by position was off by one after the first."""
+    from recsys_cli.export import raw_inputs
+
+    lines = ["\t".join(r) for r in trained["val_rows"][:5]]
+    dense, _ = raw_inputs(lines)
+    assert dense.shape[0] == 5
+    for empty in ("", "\n", "\r\n"):
+        with pytest.raises(ValueError, match=r"^line 3: an empty line \(expected 40 tab-separated fields\)"):
+            raw_inputs(lines[:2] + [empty] + lines[2:])
+    with pytest.raises(ValueError, match=r"^line 1: an empty line"):
+        raw_inputs([""] + lines)
+
+
 def test_truncated_checkpoint_and_missing_shard(trained, tmp_path):
     import shutil
 

@@ -441,6 +441,15 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_starts(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_without_multirun_is_one_line(tmp_path, monkeypatch, capsys):
+    """Hydra's report of a comma list without -m was five lines ("Ambiguous value")."""
+    monkeypatch.chdir(tmp_path)
+    code, stderr = in_process(["train", "optimizer.lr=0.05,0.1", "dataset.synthetic.rows=2000"], capsys)
+    assert_user_error(subprocess.CompletedProcess([], code, "", stderr),
+                      "optimizer.lr=0.05,0.1 is a sweep: run it with -m")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_with_a_bad_value_trains_no_job(tmp_path):
     """The real process: exit 2 before the sweep directory, the data or a job's run exists."""
     r = recsys("train", "-m", "optimizer.lr=0.05,-1", "dataset.synthetic.rows=2000", "trainer.max_steps=2", cwd=tmp_path)

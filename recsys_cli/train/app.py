@@ -122,7 +122,7 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
     choice(), glob()) is expanded into its jobs as Hydra's basic sweeper
     expands it, and every job is composed and checked before the first one
     starts (the error names the job and its sweep values); the first job's
-    config is returned. A sweep without -m is left to Hydra's message."""
+    config is returned. A sweep without -m is a one-line error."""
     from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
@@ -140,6 +140,9 @@ def check_overrides(overrides: list[str]) -> DictConfig | None:
             keep = [o for o in parsed  # input_line: None only for overrides made in code, not parsed
                     if o.input_line is not None and not o.key_or_group.startswith("hydra")]
             sweeps = [o for o in keep if o.is_sweep_override()]
+            if sweeps and not multirun:  # Hydra's "Ambiguous value" report is five lines, exit 1
+                raise UserError(f"{sweeps[0].input_line} is a sweep: run it with -m (recsys train -m ...), "
+                                "or quote a comma that belongs to the value (key='a,b')")
             if not (multirun and sweeps):
                 return _checked([o.input_line for o in keep if o.input_line is not None and not o.is_sweep_override()])
             jobs = BasicSweeper.split_arguments(keep, None)[0]

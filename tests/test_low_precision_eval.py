@@ -21,7 +21,7 @@ pytestmark = pytest.mark.exact  # bit-for-bit claims: under deterministic algori
     {"placement__kind": "lookahead", "placement__cache_ratio": 0.05, "precision__kind": "int8"},
 ], ids=["int4-cache", "int8-lookahead"])
 def test_the_runs_evaluation_equals_its_checkpoints(tmp_path, overrides):
-    cfg = config(tmp_path / "cache", trainer__max_steps=60, trainer__eval_batch_size=512,
+    cfg = config(tmp_path / "cache", trainer__max_steps=60, trainer__eval_batch_size=512, trainer__device="cpu",
                  trainer__checkpoint_dir=str(tmp_path / "run" / "checkpoints"), **overrides)
     (tmp_path / "run").mkdir()
     trainer = Trainer(cfg, run_dir=tmp_path / "run")

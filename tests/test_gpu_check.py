@@ -34,7 +34,8 @@ def assert_every_stage_passed(out: Path, stages: list[str] | None = None) -> dic
         assert stages_by_name["exact"]["details"]["checks"] == {
             f"fp32 {p} == device": True for p in ("lookahead", "cache", "host", "uvm")}
     if ran("determinism"):
-        assert stages_by_name["determinism"]["details"]["checks"] == {"int8 lookahead run == run": True}
+        assert stages_by_name["determinism"]["details"]["checks"] == {"int8 lookahead run == run": True,
+                                                                     "int8 lookahead evaluation == evaluation": True}
     assert all(stages_by_name[f"speed: {n}"]["details"]["samples_per_second"] > 0
                for n in gpu_check.SPEED_SYSTEMS if ran(f"speed: {n}"))
     if ran("overlap"):

@@ -7,6 +7,7 @@ returns rank 0's losses and weights, so the process start-up is paid once.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -20,10 +21,12 @@ import pytest
 import train_config
 import torch
 from omegaconf import OmegaConf
+from rich.console import Console
 
 from recsys_cli.config import TrainConfig
 from recsys_cli.errors import UserError
 from recsys_cli.train import distributed
+from recsys_cli.train.progress import summary_table
 from recsys_cli.train.trainer import Trainer
 from recsys_cli.train.training_data import resolve_dataset
 from commands import RECSYS
@@ -545,6 +548,10 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["distributed"]["world_size"] == 2 and summary["samples"] == 20 * 256
     assert summary["final"]["val"]["samples"] == 2000
+    table = io.StringIO()  # rank 0's own figures say so: a user read them as the run's
+    Console(file=table, width=200).print(summary_table(summary))
+    assert "embedding bytes: device / host (rank 0)" in table.getvalue()
+    assert "duplicated ids in batches (RecD) (rank 0)" in table.getvalue()
     assert (tmp_path / "run" / "checkpoints" / "step-00000020.pt").exists()
 
     # dist_timeout far above the bound below: a rank left waiting for its killed

@@ -98,8 +98,11 @@ def summary_table(summary: dict) -> Table:
         add("train batches CTR predicted / observed", f"{train['predicted_ctr']:.4f} / {train['observed_ctr']:.4f}")
     for phase, seconds in summary["phase_seconds"].items():
         add(f"seconds: {phase}", f"{seconds:.2f}")
+    # Several processes: rank 0 writes the summary; its tables (a shard of them, sharded) and
+    # its slices of the global batches, not the sums over the ranks.
+    rank0 = " (rank 0)" if summary.get("distributed") else ""
     mem = summary["embedding_bytes"]
-    add("embedding bytes: device / host", f"{format_bytes(mem['device'])} / {format_bytes(mem['host'])}")
+    add(f"embedding bytes: device / host{rank0}", f"{format_bytes(mem['device'])} / {format_bytes(mem['host'])}")
     allocated = summary.get("embedding_bytes_allocated")
     if allocated is not None:  # CUDA: what the allocators hold, beside the tensor sizes above
         add("  allocated: device / pinned host", f"{format_bytes(allocated['device'])} / {format_bytes(allocated['pinned_host'])}")
@@ -133,7 +136,7 @@ def summary_table(summary: dict) -> Table:
     elif "bytes_to_device" in cache:
         add("bytes host->device / device->host", f"{format_bytes(cache['bytes_to_device'])} / {format_bytes(cache['bytes_to_host'])}")
     dup = summary["duplication"]
-    add("duplicated ids in batches (RecD)", f"{dup['duplicated_ids']:.3f}")
+    add(f"duplicated ids in batches (RecD){rank0}", f"{dup['duplicated_ids']:.3f}")
     if summary["dedup"]:
         add("lookups saved by dedup", f"{dup['lookups_saved_by_dedup']:.3f}")
         worst = sorted(dup["duplicated_ids_per_feature"].items(), key=lambda kv: -kv[1])[:3]

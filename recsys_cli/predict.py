@@ -295,9 +295,15 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
+    source = Path(str(cfg.input)).expanduser()
+    # Options of the other kind of input are refused, not ignored (split=nosuch on raw TSV scored every line).
+    if source.is_dir() and (cfg.vocab is not None or cfg.labels is not None):
+        raise UserError(f"input {source} is a dataset directory: vocab= and labels= are for raw TSV input")
+    if not source.is_dir() and cfg.split is not None:
+        raise UserError(f"input {cfg.input} is raw TSV, scored line by line: split= picks a split of a dataset "
+                        "directory")
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
     batch_size = cfg.batch_size if cfg.batch_size is not None else int(loaded.config["trainer"]["eval_batch_size"])
-    source = Path(str(cfg.input)).expanduser()
     t0 = time.perf_counter()
     writer = None
     if source.is_dir():

@@ -126,6 +126,12 @@ def test_predict_bad_input(trained, tmp_path):
         predict(PredictConfig(**{**base, "input": str(tmp_path / "other")}))
     with pytest.raises(UserError, match="vocabulary mismatch"):
         predict(PredictConfig(**{**base, "vocab": str(tmp_path / "other")}))
+    # an option of the other kind of input is refused, not ignored (split=nosuch scored every raw line)
+    with pytest.raises(UserError, match="is raw TSV, scored line by line: split= picks a split of a dataset"):
+        predict(PredictConfig(**{**base, "split": "nosuch"}))
+    with pytest.raises(UserError, match="is a dataset directory: vocab= and labels= are for raw TSV input"):
+        predict(PredictConfig(**{**base, "input": str(trained["data"]), "labels": True}))
+    assert not (tmp_path / "p.csv").exists()
 
 
 def test_an_empty_line_is_an_error_naming_it_and_writes_nothing(trained, tmp_path, capsys, monkeypatch):

@@ -78,7 +78,8 @@ class TableGroup(abc.ABC):
 
     @abc.abstractmethod
     def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """Current fp32 rows, no side effects (evaluation, checks)."""
+        """Current fp32 rows, no side effects (checks, the tests' tables;
+        an evaluation reads read_as_saved)."""
 
     def read_as_saved(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows an evaluation scores: `ids` as a checkpoint of this moment

@@ -33,7 +33,10 @@ def test_random_insert_remove_lookup_equals_a_dict(seed):
         if ref and rng.random() < 0.45:
             gone = rng.sample(sorted(ref), rng.randint(1, len(ref)))
             absent = [k for k in rng.sample(range(universe), 5) if k not in ref]
-            removed = index.remove(torch.tensor(gone + absent + gone[:3], device=TEST_DEVICE))  # absent and repeated keys
+            if rng.random() < 0.5:  # absent and repeated keys
+                removed = index.remove(torch.tensor(gone + absent + gone[:3], device=TEST_DEVICE))
+            else:  # a cache's victims: each key once
+                removed = index.remove(torch.tensor(gone + absent, device=TEST_DEVICE), distinct=True)
             assert removed == len(gone)
             for k in gone:
                 del ref[k]

@@ -659,7 +659,7 @@ class CachedGroup(TableGroup):
         freed = self._release_before(first)  # the victims' last step: loads into them wait for it
         if freed is not None and (self.free_after is None or freed[0] > self.free_after[0]):
             self.free_after = freed
-        self.slot_index.remove(self.row_of_slot[victims])
+        self.slot_index.remove(self.row_of_slot[victims], distinct=True)  # one row a slot
         self.row_of_slot[victims] = -1
         self.score[victims] = 0
         self.free_slots[self.num_free : self.num_free + count] = victims

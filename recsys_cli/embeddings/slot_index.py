@@ -230,13 +230,17 @@ class SlotIndex:
             at, keys, values = at.index_select(0, going), keys.index_select(0, going), values.index_select(0, going)
         self.tombstones -= int(reused)
 
-    def remove(self, keys: torch.Tensor) -> int:
-        """Remove the keys that are in the index (others are ignored); the number removed."""
+    def remove(self, keys: torch.Tensor, distinct: bool = False) -> int:
+        """Remove the keys that are in the index (others are ignored); the number
+        removed. distinct: no key is listed twice (a cache's victims' rows), so
+        the sort that removes a repeated key once is skipped."""
         keys = keys.reshape(-1).to(device=self.device, dtype=torch.int64)
         if keys.numel() == 0 or self.size == 0:
             return 0
         found = self._find(keys)
-        gone = torch.unique(found[found >= 0])  # a key listed twice is removed once
+        gone = found[found >= 0]
+        if not distinct:
+            gone = torch.unique(gone)  # a key listed twice is removed once
         self.keys[gone] = TOMBSTONE
         self.values[gone] = -1
         self.size -= gone.numel()

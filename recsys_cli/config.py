@@ -485,6 +485,21 @@ def validate(cfg: Any) -> None:
     if cfg.model.top_mlp[-1] != 1:
         raise UserError(f"model.top_mlp must end in 1 (one logit), got {list(cfg.model.top_mlp)}")
     check_precision_cache_ratio(cfg)
+    if cfg.trainer.embedding_sync == "cache_avg":  # before any rank starts (the ranks found it after theirs began)
+        if cfg.precision.kind != "fp32":
+            raise UserError(cache_avg_low_precision(cfg.precision.kind))
+        if not {cfg.placement.kind, *cfg.placement.overrides.values()} & set(CACHED_PLACEMENTS):
+            raise UserError(cache_avg_without_cache(cfg.placement.kind))
+
+
+def cache_avg_without_cache(placement_kind: str) -> str:
+    return (f"trainer.embedding_sync=cache_avg averages cache rows, but placement.kind={placement_kind} "
+            "puts no table behind a cache: use placement=lookahead (or cache), or trainer.embedding_sync=grad")
+
+
+def cache_avg_low_precision(precision_kind: str) -> str:
+    return (f"trainer.embedding_sync=cache_avg needs fp32 tables behind the cache, not precision.kind="
+            f"{precision_kind}: use trainer.embedding_sync=grad")
 
 
 # Placements that put a table behind a cache of their own, sized by

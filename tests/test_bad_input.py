@@ -468,9 +468,13 @@ def test_hydras_own_keys_exit_2(tmp_path):
     ("optimizer.lr=inf", "optimizer.lr must be > 0, got inf"),  # a non-finite rate: refused before any step
     ("optimizer.lr=nan", "optimizer.lr must be > 0, got nan"),
     ("optimizer.lr=0", "optimizer.lr must be > 0, got 0"),
+    # found by the ranks after they had started (a user test): now before any process or data
+    ("trainer.embedding_sync=cache_avg", "cache_avg averages cache rows, but placement.kind=device puts no table"),
+    ("trainer.embedding_sync=cache_avg placement=lookahead precision=int8",
+     "cache_avg needs fp32 tables behind the cache, not precision.kind=int8"),
 ])
 def test_bad_numbers_exit_2_on_one_line_before_training(tmp_path, override, message, train):
-    r = train(override, "trainer.progress=false", "hydra.run.dir=run")
+    r = train(*override.split(), "trainer.progress=false", "hydra.run.dir=run")
     assert_user_error(r, message)
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "cache").exists()  # no data generated
 

@@ -45,6 +45,7 @@ import threading
 
 import torch
 
+from recsys_cli.config import cache_avg_low_precision, cache_avg_without_cache
 from recsys_cli.embeddings.cache import CachedGroup, PrefetchStopped
 from recsys_cli.embeddings.protocols import ReplicatedCache
 from recsys_cli.errors import UserError
@@ -59,16 +60,10 @@ def check(cfg, embeddings) -> None:
     if cfg.trainer.embedding_sync != "cache_avg":
         return
     cached = [g for g in embeddings.groups if isinstance(g, CachedGroup)]
-    if not cached:
-        raise UserError(
-            f"trainer.embedding_sync=cache_avg averages cache rows, but placement.kind={cfg.placement.kind} "
-            "puts no table behind a cache: use placement=lookahead (or cache), or trainer.embedding_sync=grad"
-        )
+    if not cached:  # config.validate refuses it up front, but placement=auto decides only now
+        raise UserError(cache_avg_without_cache(cfg.placement.kind))
     if any(g.store.precision != "fp32" for g in cached):
-        raise UserError(
-            f"trainer.embedding_sync=cache_avg needs fp32 tables behind the cache, not precision.kind="
-            f"{cfg.precision.kind}: use trainer.embedding_sync=grad"
-        )
+        raise UserError(cache_avg_low_precision(cfg.precision.kind))
 
 
 class _Replica:

@@ -449,6 +449,12 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def check_ranges(cfg: Any, ranges: dict[str, Range]) -> None:
+    """Each (dotted) key of `ranges` within its Range; UserError naming the first that is not."""
+    for key, limits in ranges.items():
+        limits.check(key, _get(cfg, key))
+
+
 def validate(cfg: Any) -> None:
     """Check the values a type cannot express; raise UserError naming the key."""
     for key, choice in CHOICES.items():  # the schema checks these; a config built without it is checked here
@@ -458,8 +464,7 @@ def validate(cfg: Any) -> None:
     for name, kind in cfg.placement.overrides.items():
         if kind not in PLACEMENTS[:-1]:
             raise UserError(f"placement.overrides.{name}={kind!r} is not one of {', '.join(PLACEMENTS[:-1])}")
-    for key, limits in RANGES.items():
-        limits.check(key, _get(cfg, key))
+    check_ranges(cfg, RANGES)
     validate_synthetic(cfg.dataset.synthetic)  # dataset.synthetic.*, before any work (also checked when generating)
     opt = cfg.optimizer
     if opt.dense_kernel == "fused" and opt.name != "adagrad":

@@ -33,7 +33,7 @@ from typing import Literal, Optional
 
 import torch
 
-from recsys_cli.config import DeviceChoice, PrecisionKind, Range
+from recsys_cli.config import DeviceChoice, PrecisionKind, Range, check_ranges
 from recsys_cli.errors import UserError, say
 from recsys_cli.locks import check_writable, locked_output
 from recsys_cli.options import CONVERT_RENAMED, Renamed, plain_word, help_text, parse_options, require, wants_help
@@ -125,8 +125,7 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
 
     console = console or Console(stderr=True, highlight=False)
     checkpoint = require(cfg.checkpoint, "checkpoint", "evaluate", "a run directory or a .pt file")
-    for key, limits in RANGES.items():
-        limits.check(key, getattr(cfg, key))
+    check_ranges(cfg, RANGES)
     if cfg.output:  # an unwritable output is said before the checkpoint loads
         check_writable(Path(cfg.output), "output")
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))

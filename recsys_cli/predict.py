@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from recsys_cli.config import DeviceChoice, PrecisionKind, Range
+from recsys_cli.config import DeviceChoice, PrecisionKind, Range, check_ranges
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
 from recsys_cli.locks import locked_output
@@ -281,8 +281,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
     console = console or Console(stderr=True, highlight=False)
     checkpoint = require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
-    for key, limits in RANGES.items():  # before the output is touched and the model loads
-        limits.check(key, getattr(cfg, key))
+    check_ranges(cfg, RANGES)  # before the output is touched and the model loads
     output = Path(require(cfg.output, "output", "predict", "a CSV file to write")).expanduser()
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")

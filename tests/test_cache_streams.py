@@ -97,8 +97,33 @@ def test_loads_and_write_backs_wait_for_the_last_step_that_used_their_slots_and_
         slots = torch.nonzero(group.row_of_slot >= 0).flatten()[:5]
         group.write_slots(slots, group.cache_rows[slots] * 0.5, group.cache_state[slots])
         group.dirty[slots] = True
-        averaged = group.last_write.name
+        averaged = group.last_outside.name
     assert group.stats()["rows_written_back"] > 0 and checked > 5 and older > 0
+
+
+def test_loads_after_an_evaluation_wait_for_its_reads_of_the_cache():
+    """An evaluation reads resident rows on the compute stream between steps; the
+    next fills may evict those slots, so their loads and write-backs wait for the
+    event recorded after the read, however far the device lags (a host sync in the
+    evaluation must not be what keeps the rows intact)."""
+    model, group = _group({"kind": "lookahead", "cache_rows": 150, "window": 1})
+    runtime = RecordingRuntime()
+    group.use_runtime(runtime, side_stream=True)
+    waited = 0
+    for i, batch in enumerate(make_batches(12)):
+        batch = model.embeddings.plan_batch(batch)
+        runtime.log.clear()
+        group.prepare(batch.plans[0])
+        waits = {entry[2] for entry in runtime.log if entry[0] == "wait" and entry[1] == group.side_stream.name}
+        if i and waits:
+            assert read_event in waits, (i, waits, read_event)
+            waited += 1
+        _step(model, group, batch)
+        resident = group.row_of_slot[group.row_of_slot >= 0][:7]
+        group.read_as_saved(resident)  # the evaluation after this step
+        read_event = group.last_outside.name
+        assert runtime.log[-1][:2] == ("record", read_event)
+    assert waited > 5 and group.stats()["rows_written_back"] > 0
 
 
 class _MaskWatch(TorchFunctionMode):

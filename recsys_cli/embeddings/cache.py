@@ -290,7 +290,9 @@ class CachedGroup(TableGroup):
         # from `first` on uses must wait for before a load or write-back (_last_uses)
         self.released: collections.deque[tuple[int, Event]] = collections.deque()
         self.free_after: tuple[int, Event] | None = None  # the latest release a free slot's last use precedes
-        self.last_write: Event | None = None  # write_slots' last write (cache_avg's averages), outside any batch
+        # the last read or write of slots outside any batch (write_slots: cache_avg's
+        # averages; restores; evaluations' reads): every later load and write-back waits for it
+        self.last_outside: Event | None = None
         self.last_fill = None  # the side stream's last fill
         # Host rows go to the device through pinned buffers: one pair for fills
         # (prefetch thread), one for rows the store serves in the step (trainer).
@@ -351,8 +353,8 @@ class CachedGroup(TableGroup):
     def _last_uses(self, first: int, free: bool = False) -> list:
         """(Lock held.) The events a write-back of, or a load into, slots that no
         batch from `first` on uses waits for: the release of batch first - 1 (their
-        rows' last step: batches before `first` are completed), the last
-        write_slots, and for slots freed by earlier prepares (`free`) the release
+        rows' last step: batches before `first` are completed), the last use
+        outside any batch (write_slots, a restore, an evaluation's read), and for slots freed by earlier prepares (`free`) the release
         their eviction waited for; not the newest release. A prefetcher a window
         ahead then never waits for the step the device is computing now (waiting
         for it made every evicting prepare wait for the GPU to drain). With a
@@ -362,7 +364,7 @@ class CachedGroup(TableGroup):
         before = self._release_before(first)
         if free and self.free_after is not None and (before is None or self.free_after[0] > before[0]):
             before = self.free_after
-        return [e for e in (before and before[1], self.last_write) if e is not None]
+        return [e for e in (before and before[1], self.last_outside) if e is not None]
 
     # --- filling -------------------------------------------------------------
     def prepare(self, plan: LookupPlan) -> "Fill":
@@ -786,7 +788,7 @@ class CachedGroup(TableGroup):
         dev = self._pinned_to_device(slots)
         self.cache_rows.index_copy_(0, dev, rows)
         self.cache_state.index_copy_(0, dev, state)
-        self.last_write = self._used()
+        self.last_outside = self._used()
         if dirty:
             with self.cond:
                 self.dirty[slots] = True
@@ -860,6 +862,9 @@ class CachedGroup(TableGroup):
                 if as_saved:
                     cached = self._as_saved(ids[hit_at.to(ids.device)], slots[hit_at], cached)
                 rows.index_copy_(0, self._pinned_to_device(hit_at), cached)
+                # A fill after this read must not overwrite these slots before the read has run,
+                # however late the device runs the evaluation that asked for it.
+                self.last_outside = self._used()
             return rows
 
     def _as_saved(self, ids: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -972,7 +977,7 @@ class CachedGroup(TableGroup):
                 if order is not None:
                     order.rebuild(resident)
             self.counters.update(saved["stats"])
-            self.last_write = self._used()  # the restored rows: loads and write-backs come after
+            self.last_outside = self._used()  # the restored rows: loads and write-backs come after
             if self.debug:
                 self.check_ownership()
             return True
@@ -997,7 +1002,7 @@ class CachedGroup(TableGroup):
             # Batch numbers may restart (a restore): every earlier use, one event.
             self.released.clear()
             self.free_after = None
-            self.last_write = self._used()
+            self.last_outside = self._used()
             if self.row_hold is not None:
                 self.row_hold.restart(self.completed)
 

@@ -15,7 +15,12 @@ work such as the victim order's rebuild included) and the mean ms of each
 part, timed by wrapping the slot index's lookup and insert, the room
 search, the eviction (with its write-back), the store's read and the
 victim order's push; "other" is the rest of prepare() (its own tensor work
-between the parts). The defaults read one epoch of the training split.
+between the parts). "torch ops" counts the torch calls one prepare() makes,
+over COUNTED_BATCHES more batches after the timed ones (counting slows each
+call, so those are not timed): on a GPU the prefetcher's thread and the
+trainer's take turns holding the GIL at every op, so the count is the
+prefetcher's share of the trainer's host time, on any machine. The defaults
+read one epoch of the training split.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from collections import defaultdict
 
 import torch
 from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
 
 from bench.timing import time_calls
 
 WARM_BATCHES = 10
+COUNTED_BATCHES = 4
 PARTS = {  # part -> (object path from the group, method)
     "lookup": ("slot_index", "lookup"),
     "insert": ("slot_index", "insert"),
@@ -62,10 +69,10 @@ def group_and_plans(args, ratio: float):
                                   torch.device("cpu"), 0, batch_ids={f: args.batch for f in features})
     loader = ShardLoader(data, "train", args.batch, shuffle=False)
     plans = []
-    while len(plans) < args.batches:
+    while len(plans) < args.batches + COUNTED_BATCHES:
         for batch in loader:
             plans.append(embeddings.plan_batch(batch).plans[0])
-            if len(plans) == args.batches:
+            if len(plans) == args.batches + COUNTED_BATCHES:
                 break
     (group,) = embeddings.groups
     return group, plans
@@ -82,6 +89,37 @@ def timed_parts(group) -> dict[str, float]:
     return totals
 
 
+class _OpCount(TorchFunctionMode):
+    """Counts the torch calls made from Python while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(group, plan) -> None:
+    """After a plan's prepare: gather, update (a zero gradient: its rows dirty, written
+    back on eviction) and release, as a trainer that keeps up."""
+    rows = group.gather(plan)
+    group.update(plan, rows, torch.zeros_like(rows))
+    group.release(plan)
+
+
+def ops_per_prepare(group, plans) -> float:
+    """The mean torch calls of one prepare() over `plans`, each then stepped."""
+    counts = []
+    for plan in plans:
+        with _OpCount() as counted:
+            group.prepare(plan)
+        counts.append(counted.count)
+        _step(group, plan)
+    return statistics.fmean(counts)
+
+
 def prepare_timed(group, plans, totals: dict[str, float]):
     """Prepare, step (a zero gradient: the rows dirty, written back on
     eviction) and release each plan, as a prefetcher whose trainer keeps up;
@@ -94,15 +132,13 @@ def prepare_timed(group, plans, totals: dict[str, float]):
         whole.append(time.perf_counter() - start)
         for part in PARTS:
             parts[part].append(totals.get(part, 0.0) - before.get(part, 0.0))
-        rows = group.gather(plan)
-        group.update(plan, rows, torch.zeros_like(rows))
-        group.release(plan)
+        _step(group, plan)
     return whole, parts
 
 
 def measure(args, ratio: float) -> dict:
     group, plans = group_and_plans(args, ratio)
-    whole, parts = prepare_timed(group, plans, timed_parts(group))
+    whole, parts = prepare_timed(group, plans[: args.batches], timed_parts(group))
     ms = lambda xs: 1000 * statistics.fmean(xs[WARM_BATCHES:])  # noqa: E731
     row = {"cache ratio": ratio, "slots": group.capacity, "ids a batch": int(plans[0].inverse.numel()),
            "unique a batch": round(statistics.fmean(p.unique.numel() for p in plans[WARM_BATCHES:])),
@@ -110,6 +146,7 @@ def measure(args, ratio: float) -> dict:
     for part in PARTS:
         row[f"{part} ms"] = ms(parts[part])
     row["other ms"] = ms([t - sum(parts[p][i] for p in PARTS) for i, t in enumerate(whole)])
+    row["torch ops"] = ops_per_prepare(group, plans[args.batches :])
     return row
 
 

@@ -13,6 +13,8 @@ def test_the_fill_benchmark_times_prepare_and_every_part(tmp_path, capsys):
     assert "cache ratio 0.01" in printed and "prepare ms" in printed
     for part in cache_fill_bench.PARTS:
         assert f"{part} ms" in printed
+    ops = float(printed.split("torch ops ")[1].split()[0])
+    assert 20 < ops < 2000  # counted: a prepare makes tens to hundreds of torch calls
 
 
 def test_every_part_wraps_a_method_prepare_calls(tmp_path):

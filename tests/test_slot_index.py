@@ -202,3 +202,33 @@ def test_an_index_smaller_than_a_probe_window_wraps_every_probe():
     assert index.remove(torch.tensor([4, 5], device=TEST_DEVICE)) == 1
     index.insert(torch.tensor([5], device=TEST_DEVICE), torch.tensor([1], device=TEST_DEVICE))
     _check(index, {11: 0, 5: 1, 29: 2}, 40)
+
+
+def test_a_long_probe_chain_is_crossed_in_a_few_widening_rounds():
+    """A chain of 300 keys homed at the last buckets wraps past bucket 0; every
+    key is still found, inserted and removed as a dict says, and a lookup
+    crosses the chain in 4 window rounds (8, 32, 128 and 512 buckets a key),
+    not the 37 rounds of 8 buckets it took before the windows widened: a
+    round's cost is its torch ops, whatever its size."""
+    index = SlotIndex(1000, TEST_DEVICE)  # 2000 buckets
+    homes = index._home(torch.arange(2_000_000, device=index.device)).cpu()
+    chain = torch.nonzero(homes >= index.num_buckets - 4).flatten()[:300]
+    assert chain.numel() == 300
+    index.insert(chain.to(TEST_DEVICE), torch.arange(300, device=TEST_DEVICE))
+    ref = dict(zip(chain.tolist(), range(300)))
+    widths = []
+    window = index._window
+
+    def counted(pos, width):
+        widths.append(width)
+        return window(pos, width)
+
+    index._window = counted
+    last = chain[-1:].to(TEST_DEVICE)  # the key at the chain's end
+    assert index.lookup(last).tolist() == [299]
+    assert widths == [8, 32, 128, 512]
+    _check(index, ref, 2_000_000)
+    assert index.remove(chain[100:250].to(TEST_DEVICE), distinct=True) == 150
+    for k in chain[100:250].tolist():
+        del ref[k]
+    _check(index, ref, 2_000_000)

@@ -11,20 +11,20 @@ largest group has 34M rows), else int64. That is 16 bytes per slot
 (24 with int64 keys; index_bytes), never anything per table row.
 
 Every operation is vectorised over a batch of keys: a probe round reads a
-window of _WINDOW buckets for every still-unresolved key at once (a lookup
-reads each key's home bucket alone first), and the
-rounds stop when none is left, so the Python loop runs once or twice per
-call, never once per id (a batch's prepare makes three such calls: its
-cost is the number of torch ops, not their size).
+window of buckets for every still-unresolved key at once (a lookup reads
+each key's home bucket alone first), and the rounds stop when none is left,
+so the Python loop runs a few times per call, never once per id. Its cost
+is the number of torch ops, not their size, so the window widens from
+round to round (8, 32, 128, then 512 buckets): the keys left after the
+first window are few, and at a full cache a few of them have long chains
+(a lookup of a batch of 2048 at a full 1 % cache took 7 rounds of 8).
 Inserts resolve collisions within a batch deterministically: each key claims
 the first free bucket of its window, the lowest batch position wins a
 contested one, the others probe on past it. Removal
 leaves a tombstone (lookups probe past it, inserts reuse it); when live
-entries plus tombstones pass half of the buckets the table is rebuilt from its
-live entries, so probe chains stay short under any insert/remove pattern
-(at most 80 % of the buckets used, half of them live when the cache is
-full: a probe round reads _WINDOW buckets, so most keys resolve in one or
-two rounds).
+entries plus tombstones would pass 80 % of the buckets (MAX_FILL) the table
+is rebuilt from its live entries, so probe chains stay bounded under any
+insert/remove pattern (half of the buckets live when the cache is full).
 
 The tensors live on the index's device (CPU or CUDA): the same code runs on
 both. On CUDA each probe round reads back whether any key is unresolved (a
@@ -43,7 +43,12 @@ from recsys_cli.embeddings.counter import MASK32, mul32
 EMPTY = -1
 TOMBSTONE = -2
 MAX_FILL = 0.8  # live + tombstones above this fraction of the buckets: rebuild
-_WINDOW = 8  # buckets a probe round reads per key: a window's mask of 8 bools is one int64 (_first)
+_WINDOW = 8  # buckets the first probe round reads per key: a window's mask of 8 bools is one int64 (_first)
+# Each later round reads _GROWTH times more buckets a key, up to _MAX_WINDOW: the keys still
+# probing are few, and their chains long (a lookup at a full 1 % cache took 7 rounds of
+# about 30 torch ops each, most on a few dozen keys; the ops, not the reads, are the cost).
+_GROWTH = 4
+_MAX_WINDOW = 512
 _GOLDEN = 0x9E3779B1  # 2**32 / the golden ratio, odd
 INT32_KEYS_BELOW = (1 << 31) - 2  # keys up to here fit int32 beside EMPTY and TOMBSTONE
 if sys.byteorder != "little":  # _first reads a row of bools as one little-endian int64
@@ -86,11 +91,11 @@ class SlotIndex:
         self.num_buckets = num_buckets(capacity)  # < 2**31: the home bucket's product stays in int64
         self.max_key = max_key
         self.keys = torch.full((self.num_buckets,), EMPTY, dtype=key_dtype(max_key), device=self.device)
-        # The windows that do not run past the last bucket are the rows of an unfold view, gathered
-        # with one index per key (a [_WINDOW, n] gather of bucket numbers, each taken modulo the
-        # bucket count, was 60 % of a lookup of 250k keys); the few that wrap are gathered that way.
-        self._windows = self.keys.unfold(0, _WINDOW, 1) if self.num_buckets >= _WINDOW else None
-        self._steps = torch.arange(_WINDOW, device=self.device)
+        # The windows that do not run past the last bucket are the rows of an unfold view (one per
+        # window width, made on first use), gathered with one index per key (a [_WINDOW, n] gather
+        # of bucket numbers, each taken modulo the bucket count, was 60 % of a lookup of 250k
+        # keys); the few that wrap are gathered that way.
+        self._windows: dict[int, torch.Tensor] = {}
         # Slots fit in int32 (a cache has far fewer than 2**31 slots).
         self.values = torch.full((self.num_buckets,), -1, dtype=torch.int32, device=self.device)
         self.size = 0  # live entries
@@ -115,30 +120,42 @@ class SlotIndex:
         folded to 32 bits, scaled to the bucket count (h * buckets / 2**32)."""
         return (mul32((keys ^ (keys >> 32)) & MASK32, _GOLDEN) * self.num_buckets) >> 32
 
-    def _window(self, pos: torch.Tensor) -> torch.Tensor:
-        """The keys in the _WINDOW buckets from each of `pos` (wrapping past
-        the last bucket to the first), as [n, _WINDOW]."""
-        last_start = self.num_buckets - _WINDOW  # the last window that does not wrap
-        if self._windows is None:
-            return self._wrapped(pos)
-        seen = self._windows.index_select(0, pos.clamp(max=last_start))
+    def _widths(self):
+        """The window width of each probe round: _WINDOW, then _GROWTH times the
+        last, up to _MAX_WINDOW (and never past the bucket count)."""
+        width = _WINDOW
+        while True:
+            yield min(width, self.num_buckets)
+            width = min(width * _GROWTH, _MAX_WINDOW)
+
+    def _window(self, pos: torch.Tensor, width: int) -> torch.Tensor:
+        """The keys in the `width` buckets from each of `pos` (wrapping past
+        the last bucket to the first), as [n, width]."""
+        last_start = self.num_buckets - width  # the last window that does not wrap
+        windows = self._windows.get(width)
+        if windows is None:
+            windows = self._windows[width] = self.keys.unfold(0, width, 1)
+        seen = windows.index_select(0, pos.clamp(max=last_start))
         wrapping = torch.nonzero(pos > last_start).flatten()
         if wrapping.numel():
-            seen.index_copy_(0, wrapping, self._wrapped(pos.index_select(0, wrapping)))
+            seen.index_copy_(0, wrapping, self._wrapped(pos.index_select(0, wrapping), width))
         return seen
 
-    def _wrapped(self, pos: torch.Tensor) -> torch.Tensor:
-        window = (pos.unsqueeze(1) + self._steps) % self.num_buckets
+    def _wrapped(self, pos: torch.Tensor, width: int) -> torch.Tensor:
+        window = (pos.unsqueeze(1) + torch.arange(width, device=self.device)) % self.num_buckets
         return self.keys.index_select(0, window.view(-1)).view(window.shape)
 
     @staticmethod
     def _first(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(whether each row of an [n, _WINDOW] mask has a True, the column of
-        its first True, 0 where none). A row's 8 bools (bytes 0 or 1) read as
-        one little-endian int64: its lowest set bit, word & -word, is bit 8k
-        for the first True in column k, and frexp gives 2**8k's exponent, 8k
-        + 1, exactly (one pass over n words; argmax over short rows costs
-        several times more)."""
+        """(whether each row of an [n, width] mask has a True, the column of
+        its first True, 0 where none). At the first round's width a row's 8
+        bools (bytes 0 or 1) read as one little-endian int64: its lowest set
+        bit, word & -word, is bit 8k for the first True in column k, and frexp
+        gives 2**8k's exponent, 8k + 1, exactly (one pass over n words; argmax
+        over short rows costs several times more). The wider rounds have few
+        rows: argmax, which returns the first of equal maxima."""
+        if mask.shape[1] != _WINDOW:
+            return mask.any(1), mask.to(torch.uint8).argmax(1)
         word = mask.view(torch.int64).view(-1)
         lowest = (word & -word).clamp_(min=1)  # a row without a True: 1, column 0
         return word != 0, (torch.frexp(lowest.to(torch.float64)).exponent.to(torch.int64) - 1) >> 3
@@ -157,14 +174,16 @@ class SlotIndex:
         found = torch.where(home == want, pos, -1)
         at = torch.nonzero((home != want) & (home != EMPTY)).flatten()  # batch positions still probing
         want, pos = want.index_select(0, at), (pos.index_select(0, at) + 1) % self.num_buckets
+        widths = self._widths()
         while at.numel():
-            seen = self._window(pos)
+            width = next(widths)
+            seen = self._window(pos, width)
             ended, first = self._first((seen == want.unsqueeze(1)) | (seen == EMPTY))  # an empty bucket ends the chain; a tombstone does not
             end = (pos + first) % self.num_buckets
             found.index_copy_(0, at, torch.where(self.keys.index_select(0, end) == want, end, -1))
             going = torch.nonzero(~ended).flatten()
             at, want = at.index_select(0, going), want.index_select(0, going)
-            pos = (pos.index_select(0, going) + _WINDOW) % self.num_buckets
+            pos = (pos.index_select(0, going) + width) % self.num_buckets
         return found
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
@@ -206,8 +225,10 @@ class SlotIndex:
         at = torch.arange(keys.numel(), device=self.device, dtype=torch.int32)  # batch positions still placing
         pos = self._home(keys)
         reused = torch.zeros((), dtype=torch.int64, device=self.device)
+        widths = self._widths()
         while True:
-            has_free, first = self._first(self._window(pos) < 0)  # EMPTY or TOMBSTONE
+            width = next(widths)
+            has_free, first = self._first(self._window(pos, width) < 0)  # EMPTY or TOMBSTONE
             bucket = (pos + first) % self.num_buckets
             claims = torch.nonzero(has_free).flatten()
             claimed = bucket.index_select(0, claims)
@@ -226,7 +247,7 @@ class SlotIndex:
             going = torch.ones(at.numel(), dtype=torch.bool, device=self.device)
             going[won] = False
             going = torch.nonzero(going).flatten()
-            pos = torch.where(has_free, bucket + 1, pos + _WINDOW).index_select(0, going) % self.num_buckets
+            pos = torch.where(has_free, bucket + 1, pos + width).index_select(0, going) % self.num_buckets
             at, keys, values = at.index_select(0, going), keys.index_select(0, going), values.index_select(0, going)
         self.tombstones -= int(reused)
 

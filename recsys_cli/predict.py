@@ -68,7 +68,9 @@ RANGES = {"batch_size": Range(1, unset=True), "block_size": Range(1), "threads":
 
 def split_order(manifest) -> list[str]:
     """The dataset's splits in the order their rows had in the input."""
-    order = {"kaggle": ["train", "test", "val"], "ratios": ["train", "val", "test"]}.get(
+    # kaggle and terabyte halve the last day into test, then val; ratios cuts train, val, test
+    order = {"kaggle": ["train", "test", "val"], "terabyte": ["train", "test", "val"],
+             "ratios": ["train", "val", "test"]}.get(
         manifest.options.get("split_by", manifest.options.get("split")), list(manifest.splits))  # "split": older datasets
     return [s for s in order if s in manifest.splits and manifest.splits[s].rows > 0]
 

@@ -545,3 +545,20 @@ def test_exported_ids_past_a_table_are_an_error_naming_the_feature(tmp_path):
         assert torch.equal(model(dense, last), expected)
         with pytest.raises(error, match=re.escape(message)):
             model(dense, past)
+
+
+def test_a_terabyte_dataset_is_scored_in_input_order(trained, tmp_path):
+    """split_by=terabyte halves the last day into test, then val: predict on the
+    dataset writes the rows in that order, as on the raw days (it wrote val
+    before test, the manifest's order)."""
+    rows = trained["val_rows"][:90]
+    days = tmp_path / "days"
+    days.mkdir()
+    write_raw(days / "day_0", rows[:50])
+    write_raw(days / "day_1", rows[50:])
+    preprocess(CriteoConfig(input=str(days / "day_*"), output=str(tmp_path / "tb"), split_by="terabyte",
+                            vocab=str(trained["data"]), progress=False))
+    base = dict(checkpoint=str(trained["run"]), progress=False, device="cpu", batch_size=1)
+    predict(PredictConfig(input=str(tmp_path / "tb"), output=str(tmp_path / "dataset.csv"), **base))
+    predict(PredictConfig(input=str(days / "day_*"), output=str(tmp_path / "raw.csv"), **base))
+    assert (tmp_path / "dataset.csv").read_text() == (tmp_path / "raw.csv").read_text()

@@ -562,3 +562,19 @@ def test_a_terabyte_dataset_is_scored_in_input_order(trained, tmp_path):
     predict(PredictConfig(input=str(tmp_path / "tb"), output=str(tmp_path / "dataset.csv"), **base))
     predict(PredictConfig(input=str(days / "day_*"), output=str(tmp_path / "raw.csv"), **base))
     assert (tmp_path / "dataset.csv").read_text() == (tmp_path / "raw.csv").read_text()
+
+
+def test_evaluate_again_keeps_the_users_files(trained, tmp_path):
+    """A rerun into an earlier evaluation's directory replaces evaluate's own
+    files only (it removed the whole directory, and a user's notes in it)."""
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+
+    out = tmp_path / "eval"
+    base = dict(checkpoint=str(trained["run"]), split="val", output=str(out), progress=False, device="cpu")
+    evaluate(EvaluateConfig(**base))
+    (out / "notes.txt").write_text("mine")
+    (out / "evaluation.json").write_text("{}")
+    result = evaluate(EvaluateConfig(**base, plots=False))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["evaluation.json", "notes.txt"]  # no stale plots
+    assert result["split"] == "val" and not list(tmp_path.glob(".eval.tmp-*"))

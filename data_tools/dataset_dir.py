@@ -166,9 +166,12 @@ def _commit(tmp: Path, output: Path, if_exists: str) -> None:
     # and shards): a user's own files in the directory stay where they are.
     owned = written_files(output)
     for f in new:
-        if (output / f).exists() and f not in owned:
+        # the file, or a folder on its way that is a file (a user's `train` where the shards go in train/)
+        taken = next((p for p in [*reversed(Path(f).parents[:-1]), Path(f)]
+                      if (output / p).exists() and not (p != Path(f) and (output / p).is_dir())), None)
+        if taken is not None and taken.as_posix() not in owned:
             raise UserError(
-                f"output {output} holds {f}, which recsys did not write; refusing to overwrite it "
+                f"output {output} holds {taken.as_posix()}, which recsys did not write; refusing to overwrite it "
                 "(move it away or choose another output)"
             )
     old = output.with_name(f"{output.name}.old-{os.getpid()}")
@@ -177,11 +180,30 @@ def _commit(tmp: Path, output: Path, if_exists: str) -> None:
     old.mkdir()
     # The old manifest goes first (the directory stops being a dataset), the
     # new one comes last (it is a dataset again only when complete).
-    for f in [MANIFEST_NAME, *sorted(owned - {MANIFEST_NAME})]:
-        if (output / f).is_file():
-            _move(output / f, old / f)
-    for f in [*new, WRITTEN_LIST, MANIFEST_NAME]:
-        _move(tmp / f, output / f)
+    moved_old: list[str] = []
+    moved_new: list[str] = []
+    folders = {(output / f).parent for f in new}
+    had = {d for d in folders if d.is_dir()}
+    try:
+        for f in [MANIFEST_NAME, *sorted(owned - {MANIFEST_NAME})]:
+            if (output / f).is_file():
+                _move(output / f, old / f)
+                moved_old.append(f)
+        for f in [*new, WRITTEN_LIST, MANIFEST_NAME]:
+            _move(tmp / f, output / f)
+            moved_new.append(f)
+    except OSError:
+        # Put the previous dataset back as it was (the caller says so): the
+        # new files out, the old ones in, the folders made for the new ones gone.
+        for f in reversed(moved_new):
+            (output / f).unlink(missing_ok=True)
+        for f in reversed(moved_old):
+            _move(old / f, output / f)
+        for d in sorted(folders - had, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        shutil.rmtree(old, ignore_errors=True)
+        raise
     for d in sorted({(output / f).parent for f in owned}, key=lambda p: -len(p.parts)):
         if d != output and d.is_dir() and not any(d.iterdir()):
             d.rmdir()  # a split directory the old dataset had and the new one does not

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data_tools.errors import UserError
-from data_tools.manifest import MANIFEST_NAME
+from data_tools.manifest import MANIFEST_NAME, is_inside
 
 
 # --------------------------------------------------------------------------- atomic directory
@@ -131,8 +131,8 @@ def written_files(directory: Path) -> set[str]:
 
     listed = directory / WRITTEN_LIST
     if listed.is_file():
-        try:
-            return {*json.loads(listed.read_text()), WRITTEN_LIST}
+        try:  # names inside the directory only: what it lists is moved away, then deleted
+            return {f for f in json.loads(listed.read_text()) if is_inside(f)} | {WRITTEN_LIST}
         except (ValueError, TypeError):
             pass
     try:

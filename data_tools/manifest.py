@@ -126,9 +126,28 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             f"{path}: format_version {version!r}, this recsys reads {FORMAT_VERSION}"
         )
     try:
-        return Manifest.from_dict(raw)
+        manifest = Manifest.from_dict(raw)
     except (TypeError, KeyError) as e:
         raise ManifestError(f"{path}: malformed manifest ({e})") from None
+    for name, split in manifest.splits.items():
+        for shard in split.shards:
+            check_inside(path, f"split {name}'s shard", shard.file)
+    return manifest
+
+
+def is_inside(name: object) -> bool:
+    """Whether a file name a manifest holds is a relative path that stays in
+    its directory (no absolute path, no `..`): a dataset is untrusted input."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    parts = Path(name).parts
+    return not Path(name).is_absolute() and ".." not in parts
+
+
+def check_inside(manifest_path: Path, what: str, name: object) -> None:
+    """A ManifestError naming the manifest and the key unless `name` is a file inside the dataset directory."""
+    if not is_inside(name):
+        raise ManifestError(f"{manifest_path}: {what} {name!r} is not a file inside the dataset directory")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

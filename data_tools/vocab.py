@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from data_tools.manifest import ManifestError, load_manifest, sha256_file
+from data_tools.manifest import MANIFEST_NAME, ManifestError, check_inside, load_manifest, sha256_file
 
 VOCAB_DIR = "vocab"
 
@@ -147,6 +147,12 @@ def vocabulary_entry(dataset_dir: str | os.PathLike) -> dict:
             f"{dataset_dir} has no saved vocabulary (it was preprocessed before vocabularies were saved, "
             "or is not a Criteo dataset): preprocess the training data again"
         )
+    # its files are read, and copied by vocab=DIR: each must lie inside the dataset (a name with `..`
+    # made `recsys preprocess vocab=DIR` write over a file beside the output)
+    for name, e in (entry.get("files") or {}).items():
+        for kind in ("values", "ids"):
+            check_inside(dataset_dir / MANIFEST_NAME, f"vocabulary file ({name} {kind})",
+                         e.get(kind, {}).get("file") if isinstance(e, dict) and isinstance(e.get(kind), dict) else None)
     return entry
 
 

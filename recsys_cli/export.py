@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from recsys_cli.errors import UserError, say
-from recsys_cli.locks import check_writable, locked_output
+from recsys_cli.locks import check_not_read, check_writable, locked_output
 from recsys_cli.options import CONVERT_RENAMED, help_text, parse_options, require, wants_help
 
 if TYPE_CHECKING:  # at run time imported where they are used, as before
@@ -321,6 +321,9 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model{suffix})")
     hold.enter_context(locked_output(output, "output", "export"))  # one writer; an unwritable place said now
+    read = [("checkpoint", loaded.checkpoint)]
+    vocab_source = Path(cfg.vocab) if cfg.vocab else loaded.dataset_dir
+    check_not_read(output, read + ([("vocabulary dataset", vocab_source)] if vocab_source else []), "export")
     raw_ids = raw_ids_of(loaded, cfg.vocab)
     if cfg.format == "pt2":
         with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):

@@ -135,3 +135,25 @@ def check_writable(path: Path, what: str) -> None:
         raise UserError(f"cannot write {what} {path}: {e.strerror or e}{where}") from None
     os.close(fd)
     os.unlink(name)
+
+
+
+def check_not_read(output: Path, read: list[tuple[str, Path]], command: str) -> None:
+    """UserError when `output` is a file the command reads: one of `read`
+    ((what, path) pairs, e.g. ("input", path)), or, where that is a dataset
+    directory, one of the files it is made of (its manifest, shards and
+    vocabulary). The output replaces what it names: `recsys predict
+    input=test.txt output=test.txt` put the predictions where the user's rows
+    were, and output=DATASET/manifest.json broke the dataset."""
+    from data_tools.dataset_dir import written_files
+
+    out = output.expanduser().resolve()
+    for what, path in read:
+        p = path.expanduser().resolve()
+        if out == p:
+            where = "is"
+        elif p in out.parents and p.is_dir() and out.relative_to(p).as_posix() in written_files(p):
+            where = "is a file of"
+        else:
+            continue
+        raise UserError(f"output {output} {where} the {what} {path} that `recsys {command}` reads; write it elsewhere")

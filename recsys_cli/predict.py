@@ -33,7 +33,7 @@ import torch
 from recsys_cli.config import DeviceChoice, PrecisionKind, Range, check_ranges
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
-from recsys_cli.locks import locked_output
+from recsys_cli.locks import check_not_read, locked_output
 from recsys_cli.options import CONVERT_RENAMED, plain_word, help_text, parse_options, require, wants_help
 
 
@@ -306,7 +306,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
     batch_size = cfg.batch_size if cfg.batch_size is not None else int(loaded.config["trainer"]["eval_batch_size"])
     t0 = time.perf_counter()
-    writer = None
+    read: list[tuple[str, Path]] = [("checkpoint", loaded.checkpoint)]  # what the output must not replace
     if source.is_dir():
         if not (source / MANIFEST_NAME).is_file():
             raise UserError(f"input {source} is a directory without a manifest.json (give a dataset directory "
@@ -320,6 +320,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         progress = RowProgress(cfg.progress, total, "rows")
         logit_blocks = lambda: dataset_logits(loaded, source, splits, batch_size, progress.advance)  # noqa: E731
         what = f"{source} ({', '.join(splits)})"
+        read.append(("input dataset", source))
     else:
         paths = resolve_inputs(str(cfg.input))
         vocabulary = training_vocabulary(loaded, cfg.vocab)
@@ -330,6 +331,10 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         logit_blocks = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
                                           progress.advance)
         what = ", ".join(map(str, paths))
+        read += [("input", p) for p in paths]
+        if vocabulary.directory is not None:
+            read.append(("vocabulary dataset", vocabulary.directory))
+    check_not_read(output, read, "predict")
     writer = PredictionWriter(output, cfg.id_start, cfg.id_name, cfg.prob_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads if cfg.threads is not None else max(1, (os.cpu_count() or 2) // 2))

@@ -578,3 +578,38 @@ def test_evaluate_again_keeps_the_users_files(trained, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["evaluation.json", "notes.txt"]  # no stale plots
     assert result["split"] == "val" and not list(tmp_path.glob(".eval.tmp-*"))
+
+
+def test_an_output_that_is_a_file_read_is_refused_and_the_file_kept(trained, tmp_path, capsys, monkeypatch):
+    """predict output= its raw input replaced the user's rows with the
+    predictions; output= a dataset's manifest or shard, or export output= the
+    checkpoint, replaced what the command had read. Each is one line, exit 2,
+    and the file stays as it was; a new file beside a dataset's is fine."""
+    import shutil
+
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:20])
+    data = tmp_path / "data"
+    shutil.copytree(trained["data"], data)
+    checkpoint = next((trained["run"] / "checkpoints").glob("step-*.pt"))
+    cases = [
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={raw}"], raw, "is the input"),
+        (["predict", f"checkpoint={trained['run']}", f"input={data}", f"output={data / 'manifest.json'}"],
+         data / "manifest.json", "is a file of the input dataset"),
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"vocab={data}",
+          f"output={data / 'vocab' / 'C1.ids.npy'}"], data / "vocab" / "C1.ids.npy", "is a file of the vocabulary dataset"),
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={checkpoint}"], checkpoint,
+         "is the checkpoint"),
+        (["export", f"checkpoint={trained['run']}", f"output={checkpoint}", "format=module"], checkpoint,
+         "is the checkpoint"),
+    ]
+    monkeypatch.setenv("COLUMNS", "400")
+    for argv, kept, needle in cases:
+        before = kept.read_bytes()
+        code, stderr = in_process([*argv, "progress=false"] if argv[0] == "predict" else argv, capsys)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr  # export says what it loaded first
+        assert needle in errors[0] and "that `recsys" in errors[0], stderr
+        assert kept.read_bytes() == before
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={data}", "split=val",
+                               f"output={data / 'preds.csv'}", "progress=false", "device=cpu"], capsys)
+    assert code == 0 and (data / "preds.csv").is_file(), stderr

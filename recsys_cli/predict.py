@@ -277,6 +277,19 @@ class RowProgress:
 # --------------------------------------------------------------------------- the command
 
 
+def check_column_names(cfg: PredictConfig) -> None:
+    """The CSV's header is written as given, its rows unquoted: a name with a
+    comma, a quote or a line end (id_name=a,b made a three-column header over
+    two-column rows), an empty one or two equal names would not read back."""
+    names = {"prob_name": cfg.prob_name, **({"id_name": cfg.id_name} if cfg.id_start is not None else {})}
+    for key, name in names.items():
+        if not name or any(c in name for c in ',"\r\n'):
+            raise UserError(f"{key}={name!r}: a CSV column name must be non-empty, without a comma, a quote or a "
+                            "line end")
+    if cfg.id_start is not None and cfg.id_name == cfg.prob_name:
+        raise UserError(f"id_name and prob_name are both {cfg.id_name!r}: the CSV's two columns need two names")
+
+
 def predict(cfg: PredictConfig, console=None) -> dict:
     from rich.console import Console
 
@@ -284,6 +297,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
     checkpoint = require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
     check_ranges(cfg, RANGES)  # before the output is touched and the model loads
+    check_column_names(cfg)
     output = Path(require(cfg.output, "output", "predict", "a CSV file to write")).expanduser()
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")

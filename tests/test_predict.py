@@ -613,3 +613,19 @@ def test_an_output_that_is_a_file_read_is_refused_and_the_file_kept(trained, tmp
     code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={data}", "split=val",
                                f"output={data / 'preds.csv'}", "progress=false", "device=cpu"], capsys)
     assert code == 0 and (data / "preds.csv").is_file(), stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (["id_start=0", "id_name=a,b"], "id_name='a,b': a CSV column name must be non-empty, without a comma"),
+    (['prob_name=p"'], "prob_name='p\"': a CSV column name"),
+    (["id_start=0", "id_name=Predicted"], "id_name and prob_name are both 'Predicted'"),
+])
+def test_a_column_name_the_csv_cannot_hold_is_refused(trained, tmp_path, capsys, monkeypatch, options, message):
+    """id_name=a,b wrote the header `a,b,Predicted` over two-column rows: a CSV
+    that does not read back. Now one line, exit 2, before anything is written."""
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:5])
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}",
+                               f"output={tmp_path / 'p.csv'}", "progress=false", *options], capsys)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "p.csv").exists()

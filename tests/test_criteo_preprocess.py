@@ -539,3 +539,14 @@ def test_config_errors_are_user_errors():
     assert cfg.input == ["a", "b"] and cfg.hash_buckets == 10 and isinstance(cfg, CriteoConfig)
     with pytest.raises(UserError, match="split_by must be"):
         run_preprocess("criteo", ["input=a", "output=o", "split=weekly"])
+
+
+@pytest.mark.parametrize("codec", ["bogus", "lzo"])
+def test_an_unknown_compression_is_refused_before_any_work(tmp_path, rows, codec):
+    """compression=bogus ran pass 1, then ended in pyarrow's ArrowException
+    traceback (lzo: an OSError's) at the first shard; now one line up front."""
+    raw = write_raw(tmp_path / "train.txt", rows[:50])
+    with pytest.raises(UserError, match=rf"compression must be a parquet codec .*got '{codec}'"):
+        run(tmp_path, raw, compression=codec)
+    assert not list(tmp_path.glob("out*"))
+    run(tmp_path, raw, compression="zstd")  # another codec parquet has

@@ -25,6 +25,10 @@ an output that is built aside and renamed into place (a dataset directory, a
 predictions file, an export artifact): a lock inside such an output would be
 renamed away with it.
 
+A writer killed mid-write leaves the `.<name>.tmp-<pid>` it built the
+output in; the next writer of that output removes it once it holds the lock
+(`remove_stale_temps`).
+
 `check_writable` is the start-up check of a place the run will write: a
 read-only file system or a directory the user may not write into is one
 line naming the path (exit 2), before any work.
@@ -69,7 +73,28 @@ def locked_output(output: Path, what: str, command: str, hint: str = "") -> Iter
     except OSError as e:
         raise UserError(f"cannot write {what} {output}: {e.strerror or e} ({output.parent})") from None
     with _held(lock_file_of(output), output, what, command, hint):
+        remove_stale_temps(output)
         yield
+
+
+def remove_stale_temps(output: Path) -> None:
+    """Remove what writers of `output` killed mid-write left beside it: the
+    file or folder `.<name>.tmp-<pid>` each builds the output in (a predict
+    killed with SIGKILL left its partial CSV there for good). Called with the
+    output's lock held, so no other writer of it is running: every one but
+    this process's is stale, whatever its pid now names."""
+    import glob
+    import shutil
+
+    prefix = f".{output.name}.tmp-"
+    for p in output.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
 
 def holder_of(lock_file: Path) -> str:

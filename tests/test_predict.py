@@ -629,3 +629,21 @@ def test_a_column_name_the_csv_cannot_hold_is_refused(trained, tmp_path, capsys,
                                f"output={tmp_path / 'p.csv'}", "progress=false", *options], capsys)
     assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next(trained, tmp_path):
+    """predict, evaluate and export build their output as `.<name>.tmp-<pid>`
+    beside it; one killed with SIGKILL left that (a partial CSV) for good. The
+    next writer of the same output removes it; other outputs' are left alone."""
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:10])
+    (tmp_path / ".p.csv.tmp-999999").write_text("Predicted\n0.5\n")  # a partial CSV
+    (tmp_path / ".other.csv.tmp-999999").write_text("not this output's")
+    (tmp_path / ".eval.tmp-999999").mkdir()
+    (tmp_path / ".eval.tmp-999999" / "evaluation.json").write_text("{")
+    predict(PredictConfig(checkpoint=str(trained["run"]), input=str(raw), output=str(tmp_path / "p.csv"),
+                          progress=False, device="cpu"))
+    evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(tmp_path / "eval"),
+                            progress=False, device="cpu", plots=False))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".other.csv.tmp-999999"]

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from recsys_cli.options import CONVERT_RENAMED, plain_word, help_text, parse_opt
 @dataclass
 class PredictConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory
-    input: Optional[str] = None  # raw TSV file(s) (path, glob) or a dataset directory
+    input: Any = None  # raw TSV file(s) (a path, a glob or a list: input=[a.txt,b.gz]) or a dataset directory
     output: Optional[str] = None  # CSV file to write
     split: Optional[str] = None  # dataset input: one split (default: all, in input order)
     vocab: Optional[str] = None  # raw input: dataset whose vocabulary maps it (default: the training dataset's)
@@ -310,7 +310,11 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
+    # a list names raw files, as in `recsys preprocess criteo` (it was OmegaConf's "Cannot convert 'ListConfig'")
+    many = isinstance(cfg.input, (list, tuple))
     source = Path(str(cfg.input)).expanduser()
+    if many:
+        source = Path(os.devnull)  # no dataset directory
     # Options of the other kind of input are refused, not ignored (split=nosuch on raw TSV scored every line).
     if source.is_dir() and (cfg.vocab is not None or cfg.labels is not None):
         raise UserError(f"input {source} is a dataset directory: vocab= and labels= are for raw TSV input")
@@ -336,7 +340,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         what = f"{source} ({', '.join(splits)})"
         read.append(("input dataset", source))
     else:
-        paths = resolve_inputs(str(cfg.input))
+        paths = resolve_inputs(list(cfg.input) if many else str(cfg.input))
         vocabulary = training_vocabulary(loaded, cfg.vocab)
         labels = cfg.labels
         if labels is None:

@@ -647,3 +647,19 @@ def test_what_a_killed_writer_left_is_removed_by_the_next(trained, tmp_path):
     evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(tmp_path / "eval"),
                             progress=False, device="cpu", plots=False))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".other.csv.tmp-999999"]
+
+
+def test_a_list_of_raw_files_is_scored_in_order(trained, tmp_path, capsys):
+    """input=[a,b] (preprocess's way of naming several files) was OmegaConf's
+    "Cannot convert 'ListConfig' to string"; now the files are scored in the
+    order given, as one file holding both."""
+    a = write_raw(tmp_path / "a.txt", trained["val_rows"][:7])
+    b = write_raw(tmp_path / "b.txt.gz", trained["val_rows"][7:20], gz=True)
+    both = write_raw(tmp_path / "both.txt", trained["val_rows"][:20])
+    base = ["predict", f"checkpoint={trained['run']}", "progress=false", "device=cpu", "batch_size=4"]
+    code, stderr = in_process([*base, f"input=[{a},{b}]", f"output={tmp_path / 'list.csv'}"], capsys)
+    assert code == 0, stderr
+    code, stderr = in_process([*base, f"input={both}", f"output={tmp_path / 'one.csv'}"], capsys)
+    assert code == 0, stderr
+    assert (tmp_path / "list.csv").read_text() == (tmp_path / "one.csv").read_text()
+    assert len((tmp_path / "list.csv").read_text().splitlines()) == 21

@@ -25,6 +25,7 @@ from typing import Any
 from data_tools.background import BackgroundIterator
 from data_tools.criteo_text import (
     UNLABELLED,
+    UNLABELLED_SCORED,
     LINE_RE,
     UNLABELLED_LINE_RE,
     BadBlock,
@@ -154,6 +155,7 @@ class BlockReader:
     raised (on_error=raise) or dropped (on_error=skip)."""
 
     skip_hint = " (on_error=skip drops such lines)"
+    unlabelled_hint = UNLABELLED  # what a 39-field line among labelled ones is told (diagnose_line)
 
     def __init__(self, paths: Sequence[Path], *, labels: bool = True, label_int8: bool = False,
                  block_size: int = 8 << 20, on_error: str = "raise"):
@@ -253,11 +255,11 @@ class BlockReader:
     def _bad(self, block: TextBlock, i: int, line: bytes) -> None:
         if self.on_error == "raise":
             path = self.paths[block.file_index]
-            reason = diagnose_line(line, self.parser.label_int8, self.parser.labels)
+            reason = diagnose_line(line, self.parser.label_int8, self.parser.labels, self.unlabelled_hint)
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
                 raise UserError(f"{where} {reason}{self.skip_hint}")
-            if reason.endswith(UNLABELLED):  # skipping would skip every line
+            if reason.endswith(self.unlabelled_hint):  # skipping would skip every line
                 raise UserError(f"{where}: {reason}")
             raise UserError(f"{where}: {reason}{self.skip_hint}")
         if self.first_skipped is None:
@@ -270,6 +272,7 @@ def decoded_blocks(paths: Sequence[Path], *, labels: bool = True, block_size: in
     UserError naming the file, line and column."""
     reader = BlockReader(paths, labels=labels, block_size=block_size)
     reader.skip_hint = ""  # every row must be scored: no skipping
+    reader.unlabelled_hint = UNLABELLED_SCORED
     with BackgroundIterator(reader.chunks(want_dense=True), name="criteo-parse") as chunks:
         for ch in chunks:
             yield ch.decoded, ch.block.bytes_read

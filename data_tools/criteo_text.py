@@ -249,8 +249,16 @@ def _looks_unlabelled(fields: list[str]) -> bool:
             and all(v == "" or re.fullmatch(r"[0-9a-fA-F]{8}", v) for v in fields[NUM_DENSE:]))
 
 
-def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
-    """Why a line is bad: 'column X: ...' (or a generic reason)."""
+# The same line where a line is scored (recsys predict, export.raw_inputs): preprocess's advice (score it
+# with predict) is no help there; the input's layout comes from labels= or its first line.
+UNLABELLED_SCORED = ("the line looks unlabelled (13 integer and 26 hex fields, no label) where the input is read as "
+                     "labelled (labels=true, or told from the first line): score labelled and unlabelled lines "
+                     "separately")
+
+
+def diagnose_line(line: bytes, label_int8: bool, labels: bool = True, unlabelled: str = UNLABELLED) -> str:
+    """Why a line is bad: 'column X: ...' (or a generic reason); `unlabelled`
+    is what to say of a 39-field line where 40 were expected."""
     text = line.decode("utf-8", errors="replace")
     if not text:
         return f"an empty line (expected {NUM_COLUMNS if labels else NUM_COLUMNS - 1} tab-separated fields)"
@@ -262,7 +270,7 @@ def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
         fields = ["0", *fields]
     elif len(fields) != NUM_COLUMNS:
         if _looks_unlabelled(fields):
-            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {UNLABELLED}"
+            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {unlabelled}"
         return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
     lab = fields[0]
     try:

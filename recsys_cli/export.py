@@ -248,7 +248,8 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
     a bad line (skipping it would shift every later row against its input)."""
     import numpy as np
 
-    from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line, strip_cr
+    from data_tools.criteo_text import (NUM_COLUMNS, NUM_SPARSE, UNLABELLED_SCORED, BadBlock, BlockParser,
+                                        diagnose_line, strip_cr)
 
     # (1-based position in `lines`, the line without its LF: a CR before it is
     # left for the parser, which takes CRLF and refuses any other CR)
@@ -284,7 +285,7 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
             except BadBlock:
                 hi = mid
         i, ln = numbered[hi - 1]
-        raise ValueError(f"line {i}: {diagnose_line(strip_cr(ln), False, labels)}") from None
+        raise ValueError(f"line {i}: {diagnose_line(strip_cr(ln), False, labels, UNLABELLED_SCORED)}") from None
     categorical = np.full((d.rows, NUM_SPARSE), -1, dtype=np.int64)
     for f in range(NUM_SPARSE):
         categorical[d.present[f], f] = d.values[f]

@@ -663,3 +663,23 @@ def test_a_list_of_raw_files_is_scored_in_order(trained, tmp_path, capsys):
     assert code == 0, stderr
     assert (tmp_path / "list.csv").read_text() == (tmp_path / "one.csv").read_text()
     assert len((tmp_path / "list.csv").read_text().splitlines()) == 21
+
+
+def test_an_unlabelled_line_among_labelled_ones_gets_the_scorers_advice(trained, tmp_path, capsys, monkeypatch):
+    """A 39-field line where predict (or raw_inputs) reads labelled lines was
+    told preprocess's advice ("preprocess builds training data ...; to score
+    it: recsys predict ..."), to a user who was scoring it."""
+    from recsys_cli.export import raw_inputs
+
+    labelled_rows = write_raw(tmp_path / "a.txt", trained["val_rows"][:3])
+    unlabelled_rows = write_raw(tmp_path / "b.txt", [r[1:] for r in trained["val_rows"][3:6]])
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input=[{labelled_rows},{unlabelled_rows}]",
+                               f"output={tmp_path / 'p.csv'}", "progress=false"], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert f"{unlabelled_rows} line 1: expected 40 tab-separated fields, found 39: the line looks unlabelled" in stderr
+    assert "score labelled and unlabelled lines separately" in stderr and "preprocess" not in stderr, stderr
+    lines = [*labelled_rows.read_text().splitlines(), unlabelled_rows.read_text().splitlines()[0]]
+    with pytest.raises(ValueError, match=r"^line 4: .*found 39: the line looks unlabelled") as error:
+        raw_inputs(lines)
+    assert "preprocess" not in str(error.value)

@@ -489,6 +489,72 @@ def test_sigkill_mid_run_leaves_no_dataset_and_rerun_cleans_up(tmp_path, rows):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.txt"]
 
 
+_KILLED_WITH_WORKERS = r"""
+import sys, time
+from data_tools import shards
+orig = shards.ShardWriter._write_group
+def slow(self, group):
+    orig(self, group)
+    print("wrote", flush=True)
+    time.sleep(0.2)
+shards.ShardWriter._write_group = slow
+from data_tools.criteo import CriteoConfig, preprocess
+preprocess(CriteoConfig(input=sys.argv[1], output=sys.argv[2], row_group_rows=50, hash_buckets=100, workers=2,
+                        block_size=4096, progress=False))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigkill_mid_run_ends_the_worker_processes_too(tmp_path, rows):
+    """A preprocess with workers killed with SIGKILL left its worker processes
+    (about 200 MB each) and multiprocessing's resource tracker running for
+    good: each worker waited for its next block forever. They now end within
+    a second or two of their parent."""
+    import time
+
+    raw = write_raw(tmp_path / "t.txt", rows)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_WORKERS, str(raw), str(tmp_path / "out")], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert proc.stdout.readline().strip() == "wrote"  # the workers are parsing
+        children = _children(proc.pid)
+        assert len(children) >= 2, children  # two workers (and the resource tracker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], "worker processes outlived their preprocess"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in children:  # on failure: not left running
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -531,8 +532,6 @@ def test_sigkill_mid_run_ends_the_worker_processes_too(tmp_path, rows):
     (about 200 MB each) and multiprocessing's resource tracker running for
     good: each worker waited for its next block forever. They now end within
     a second or two of their parent."""
-    import time
-
     raw = write_raw(tmp_path / "t.txt", rows)
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_WORKERS, str(raw), str(tmp_path / "out")], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
@@ -550,7 +549,15 @@ def test_sigkill_mid_run_ends_the_worker_processes_too(tmp_path, rows):
     finally:
         if proc.poll() is None:
             proc.kill()
-        for c in children:  # on failure: not left running
+        # on failure: not left running; the resource tracker last, so that it unlinks the shared memory
+        children.sort(key=lambda c: b"resource_tracker" in Path(f"/proc/{c}/cmdline").read_bytes() if _alive(c) else 0)
+        for c in children:
+            for _ in range(25):
+                if not _alive(c):
+                    break
+                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes():
+                    os.kill(c, signal.SIGKILL)
+                time.sleep(0.2)
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
 

@@ -82,11 +82,21 @@ class TextBlock:
     lines: int  # lines in data: its line ends, or 1 for a last line without one
 
 
+# The first bytes of compressed files that are not gzip
+OTHER_COMPRESSION = ((b"\xfd7zXZ\x00", "xz-compressed"), (b"BZh", "bzip2-compressed"),
+                     (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"PK\x03\x04", "a zip archive"))
+
+
 def file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
     """The file's bytes (decompressed if it is gzip: concatenated members
     allowed), in pieces of about `size`, with the input bytes consumed so far."""
     with open(path, "rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
+        head = raw.read(6)
+        gz = head[:2] == b"\x1f\x8b"
+        other = next((name for magic, name in OTHER_COMPRESSION if head.startswith(magic)), None)
+        if other:  # read as text, it was "line 1: expected 40 tab-separated fields, found 2"
+            raise UserError(f"{path} is {other}: recsys reads plain or gzip'd Criteo TSV (decompress it, or "
+                            "recompress it with gzip)")
         raw.seek(0)
         if not gz:
             while piece := raw.read(size):

@@ -623,3 +623,31 @@ def test_an_unknown_compression_is_refused_before_any_work(tmp_path, rows, codec
         run(tmp_path, raw, compression=codec)
     assert not list(tmp_path.glob("out*"))
     run(tmp_path, raw, compression="zstd")  # another codec parquet has
+
+
+@pytest.mark.parametrize("kind", ["xz-compressed", "bzip2-compressed", "a zip archive"])
+def test_a_file_compressed_otherwise_than_gzip_is_named_as_such(tmp_path, rows, kind):
+    """An .xz, .bz2 or .zip input was read as text: 'line 1: expected 40
+    tab-separated fields, found 2' (with on_error=skip: every line skipped).
+    Now one line saying what it is, for preprocess and predict's reader."""
+    import bz2
+    import lzma
+    import zipfile
+
+    from data_tools.criteo_input import labelled
+
+    text = "".join("\t".join(r) + "\n" for r in rows[:30]).encode()
+    path = tmp_path / "day_0.x"
+    if kind == "xz-compressed":
+        path.write_bytes(lzma.compress(text))
+    elif kind == "bzip2-compressed":
+        path.write_bytes(bz2.compress(text))
+    else:
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("day_0", text)
+    needle = rf"{path} is {kind}: recsys reads plain or gzip'd Criteo TSV"
+    for on_error in ("raise", "skip"):
+        with pytest.raises(UserError, match=needle):
+            run(tmp_path, path, on_error=on_error)
+    with pytest.raises(UserError, match=needle):
+        labelled(path)

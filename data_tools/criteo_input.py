@@ -87,9 +87,23 @@ OTHER_COMPRESSION = ((b"\xfd7zXZ\x00", "xz-compressed"), (b"BZh", "bzip2-compres
                      (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"PK\x03\x04", "a zip archive"))
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which editors on Windows put at the start of a file
+
+
 def file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
     """The file's bytes (decompressed if it is gzip: concatenated members
-    allowed), in pieces of about `size`, with the input bytes consumed so far."""
+    allowed), in pieces of about `size`, with the input bytes consumed so far;
+    a byte order mark that starts the file is dropped (anywhere else it is
+    part of a line, and a bad line: criteo_text._check_bytes)."""
+    first = True
+    for piece, pos in _file_pieces(path, size):
+        if first and piece.startswith(BOM):
+            piece = piece[len(BOM):]
+        first = False
+        yield piece, pos
+
+
+def _file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
     with open(path, "rb") as raw:
         head = raw.read(6)
         gz = head[:2] == b"\x1f\x8b"

@@ -256,6 +256,8 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
     numbered = []
     for i, ln in enumerate(lines, 1):
         ln = ln.encode() if isinstance(ln, str) else bytes(ln)
+        if i == 1 and ln.startswith(b"\xef\xbb\xbf"):  # a byte order mark starting the file: dropped, as preprocess does
+            ln = ln[3:]
         numbered.append((i, ln[:-1] if ln.endswith(b"\n") else ln))
     if not numbered:
         return torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)

@@ -651,3 +651,27 @@ def test_a_file_compressed_otherwise_than_gzip_is_named_as_such(tmp_path, rows, 
             run(tmp_path, path, on_error=on_error)
     with pytest.raises(UserError, match=needle):
         labelled(path)
+
+
+@pytest.mark.parametrize("block_size", [1024, 8 << 20])
+def test_a_byte_order_mark_starts_a_file_or_is_a_bad_line(tmp_path, rows, block_size):
+    """A UTF-8 byte order mark that starts a file is dropped (Windows editors
+    write one). One inside the input (two files joined with cat) passed where
+    it began a block and failed inside one, where no bad line was found: the
+    run ended in 'input changed while it was being preprocessed'. It is now
+    a bad line named by file, line and column, or skipped and counted."""
+    bom = b"\xef\xbb\xbf"
+    text = "".join("\t".join(r) + "\n" for r in rows[:40]).encode()
+    plain = tmp_path / "plain.txt"
+    plain.write_bytes(text)
+    first = tmp_path / "first.txt"
+    first.write_bytes(bom + text)
+    m1, out1 = run(tmp_path, plain, "a", split_by="none", block_size=block_size)
+    m2, out2 = run(tmp_path, first, "b", split_by="none", block_size=block_size)
+    assert read_split(out1, "all").equals(read_split(out2, "all"))
+    joined = tmp_path / "joined.txt"
+    joined.write_bytes(text + bom + text)
+    with pytest.raises(UserError, match=rf"{joined} line 41 column label: '\\ufeff.' is not a number"):
+        run(tmp_path, joined, "c", split_by="none", block_size=block_size)
+    m, _ = run(tmp_path, joined, "d", split_by="none", block_size=block_size, on_error="skip")
+    assert m.skipped_lines == 1 and m.splits["all"].rows == 79

@@ -258,7 +258,7 @@ def _looks_unlabelled(fields: list[str]) -> bool:
 # with predict) is no help there; the input's layout comes from labels= or its first line.
 UNLABELLED_SCORED = ("the line looks unlabelled (13 integer and 26 hex fields, no label) where the input is read as "
                      "labelled (labels=true, or told from the first line): score labelled and unlabelled lines "
-                     "separately")
+                     "separately (recsys predict: labels=false for unlabelled ones)")
 
 
 def diagnose_line(line: bytes, label_int8: bool, labels: bool = True, unlabelled: str = UNLABELLED) -> str:

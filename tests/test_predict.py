@@ -116,7 +116,7 @@ def test_predict_bad_input(trained, tmp_path):
     # a row with a wrong field count after good ones: named by line, and no output left behind
     lines = ["\t".join(r) for r in trained["val_rows"][:5]] + ["\t".join(trained["val_rows"][5][1:])]
     bad.write_text("\n".join(lines) + "\n")
-    with pytest.raises(UserError, match=r"bad.txt line 6: expected 40 tab-separated fields, found 39: the input looks unlabelled .*labels=false"):
+    with pytest.raises(UserError, match=r"bad.txt line 6: expected 40 tab-separated fields, found 39: the line looks unlabelled .*labels=false for unlabelled ones"):
         predict(PredictConfig(**{**base, "input": str(bad), "labels": True}))
     assert not (tmp_path / "p.csv").exists() and not list(tmp_path.glob(".p.csv.tmp*"))
     # another vocabulary: a dataset built from other rows

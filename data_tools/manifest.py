@@ -109,6 +109,9 @@ class Manifest:
 def load_manifest(directory: str | os.PathLike) -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST_NAME
+    if directory.exists() and not directory.is_dir():  # was "does not exist", of a file that does
+        raise ManifestError(f"{directory} is a file, not a dataset directory (raw Criteo TSV is preprocessed first: "
+                            f"recsys preprocess criteo input={directory} output=DIR)")
     if not directory.is_dir():
         raise ManifestError(f"dataset directory {directory} does not exist")
     if not path.is_file():

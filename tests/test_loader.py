@@ -296,8 +296,11 @@ def test_feature_and_split_errors(plain):
 
 
 def test_invalid_dataset_dir(tmp_path):
-    with pytest.raises(ManifestError):
+    with pytest.raises(ManifestError, match="missing does not exist"):
         ShardLoader(tmp_path / "missing")
+    (tmp_path / "raw.txt").write_text("1\t2\n")  # a file: said so, not "does not exist" (evaluate input=FILE)
+    with pytest.raises(ManifestError, match=r"raw.txt is a file, not a dataset directory .*recsys preprocess criteo"):
+        ShardLoader(tmp_path / "raw.txt")
     d = write_dataset(tmp_path, {"train": 100})
     (d / "train-00000.parquet").unlink()
     with pytest.raises(ManifestError, match="missing"):

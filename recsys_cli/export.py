@@ -497,7 +497,10 @@ def load_metadata(path: str | Path) -> dict:
     """The artifact's metadata (either format)."""
     path = Path(path).expanduser()
     if artifact_format(path) == "module":
-        return _read_scorer(path)["metadata"]
+        meta = _read_scorer(path).get("metadata")
+        if not isinstance(meta, dict):  # was a KeyError's traceback
+            raise UserError(f"{path} holds no recsys metadata (its record's 'metadata'): not a recsys export artifact")
+        return meta
     # Read from the archive itself, not through torch.export.load: that
     # deserializes the program, which runs what the file holds (its guards'
     # code, sympy expressions, pickles): metadata never needs that.

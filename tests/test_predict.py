@@ -683,3 +683,14 @@ def test_an_unlabelled_line_among_labelled_ones_gets_the_scorers_advice(trained,
     with pytest.raises(ValueError, match=r"^line 4: .*found 39: the line looks unlabelled") as error:
         raw_inputs(lines)
     assert "preprocess" not in str(error.value)
+
+
+def test_a_scorer_record_without_metadata_is_one_line(tmp_path):
+    """load_metadata on a format=module record that lacks its metadata was a
+    KeyError; load_scorer's record checks already name such a file."""
+    from recsys_cli.export import SCORER_FORMAT, load_metadata
+
+    path = tmp_path / "m.scorer.pt"
+    torch.save({"format": SCORER_FORMAT, "state_dict": {}}, path)
+    with pytest.raises(UserError, match=rf"^{path} holds no recsys metadata"):
+        load_metadata(path)

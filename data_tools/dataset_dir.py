@@ -30,7 +30,7 @@ def is_dataset_dir(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,7 +49,7 @@ def remove_stale_temps(output: Path) -> None:
         for p in parent.glob(glob_escape(output.name) + marker + "*"):
             suffix = p.name[len(output.name) + len(marker):]
             pid = suffix.split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -81,15 +81,18 @@ def remove_stale_temps(output: Path) -> None:
     """Remove what writers of `output` killed mid-write left beside it: the
     file or folder `.<name>.tmp-<pid>` each builds the output in (a predict
     killed with SIGKILL left its partial CSV there for good). Called with the
-    output's lock held, so no other writer of it is running: every one but
-    this process's is stale, whatever its pid now names."""
+    output's lock held, so no other recsys writer of this output is running;
+    a temp of a live pid is still left alone (a writer of another kind that
+    names its temps alike, e.g. a checkpoint being saved where output= points)."""
     import glob
     import shutil
+
+    from data_tools.dataset_dir import pid_alive
 
     prefix = f".{output.name}.tmp-"
     for p in output.parent.glob(glob.escape(prefix) + "*"):
         pid = p.name[len(prefix):]
-        if pid.isdigit() and int(pid) != os.getpid():
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:

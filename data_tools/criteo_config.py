@@ -113,3 +113,19 @@ def validate(cfg: CriteoConfig) -> None:
         raise UserError("row_group_rows and shard_rows must be >= 1")
     if cfg.block_size < 1024:
         raise UserError(f"block_size must be >= 1024 bytes, got {cfg.block_size}")
+    check_compression(cfg.compression)
+
+
+def check_compression(compression: object) -> None:
+    """A parquet codec this pyarrow writes, tried on a one-row table (a name
+    it does not know was an ArrowException's traceback after pass 1)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pq.write_table(pa.table({"x": [0]}), io.BytesIO(), compression=compression)
+    except (pa.ArrowException, OSError, ValueError, TypeError):
+        raise UserError(f"compression must be a parquet codec this pyarrow writes (none, snappy, gzip, brotli, lz4, "
+                        f"zstd), got {compression!r}") from None

@@ -25,6 +25,7 @@ from typing import Any
 from data_tools.background import BackgroundIterator
 from data_tools.criteo_text import (
     UNLABELLED,
+    UNLABELLED_SCORED,
     LINE_RE,
     UNLABELLED_LINE_RE,
     BadBlock,
@@ -81,11 +82,35 @@ class TextBlock:
     lines: int  # lines in data: its line ends, or 1 for a last line without one
 
 
+# The first bytes of compressed files that are not gzip
+OTHER_COMPRESSION = ((b"\xfd7zXZ\x00", "xz-compressed"), (b"BZh", "bzip2-compressed"),
+                     (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"PK\x03\x04", "a zip archive"))
+
+
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which editors on Windows put at the start of a file
+
+
 def file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
     """The file's bytes (decompressed if it is gzip: concatenated members
-    allowed), in pieces of about `size`, with the input bytes consumed so far."""
+    allowed), in pieces of about `size`, with the input bytes consumed so far;
+    a byte order mark that starts the file is dropped (anywhere else it is
+    part of a line, and a bad line: criteo_text._check_bytes)."""
+    first = True
+    for piece, pos in _file_pieces(path, size):
+        if first and piece.startswith(BOM):
+            piece = piece[len(BOM):]
+        first = False
+        yield piece, pos
+
+
+def _file_pieces(path: Path, size: int) -> Iterator[tuple[bytes, int]]:
     with open(path, "rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
+        head = raw.read(6)
+        gz = head[:2] == b"\x1f\x8b"
+        other = next((name for magic, name in OTHER_COMPRESSION if head.startswith(magic)), None)
+        if other:  # read as text, it was "line 1: expected 40 tab-separated fields, found 2"
+            raise UserError(f"{path} is {other}: recsys reads plain or gzip'd Criteo TSV (decompress it, or "
+                            "recompress it with gzip)")
         raw.seek(0)
         if not gz:
             while piece := raw.read(size):
@@ -154,6 +179,7 @@ class BlockReader:
     raised (on_error=raise) or dropped (on_error=skip)."""
 
     skip_hint = " (on_error=skip drops such lines)"
+    unlabelled_hint = UNLABELLED  # what a 39-field line among labelled ones is told (diagnose_line)
 
     def __init__(self, paths: Sequence[Path], *, labels: bool = True, label_int8: bool = False,
                  block_size: int = 8 << 20, on_error: str = "raise"):
@@ -253,11 +279,11 @@ class BlockReader:
     def _bad(self, block: TextBlock, i: int, line: bytes) -> None:
         if self.on_error == "raise":
             path = self.paths[block.file_index]
-            reason = diagnose_line(line, self.parser.label_int8, self.parser.labels)
+            reason = diagnose_line(line, self.parser.label_int8, self.parser.labels, self.unlabelled_hint)
             where = f"{path} line {block.first_line + i}"
             if reason.startswith("column "):
                 raise UserError(f"{where} {reason}{self.skip_hint}")
-            if reason.endswith(UNLABELLED):  # skipping would skip every line
+            if reason.endswith(self.unlabelled_hint):  # skipping would skip every line
                 raise UserError(f"{where}: {reason}")
             raise UserError(f"{where}: {reason}{self.skip_hint}")
         if self.first_skipped is None:
@@ -270,6 +296,7 @@ def decoded_blocks(paths: Sequence[Path], *, labels: bool = True, block_size: in
     UserError naming the file, line and column."""
     reader = BlockReader(paths, labels=labels, block_size=block_size)
     reader.skip_hint = ""  # every row must be scored: no skipping
+    reader.unlabelled_hint = UNLABELLED_SCORED
     with BackgroundIterator(reader.chunks(want_dense=True), name="criteo-parse") as chunks:
         for ch in chunks:
             yield ch.decoded, ch.block.bytes_read

@@ -73,7 +73,7 @@ def _as_bytes(data) -> tuple[bytes, int, int]:
 def _check_bytes(data) -> None:
     """What Arrow's reader would take but the format does not allow: an x or X
     anywhere (Arrow reads I*=0x10 as 16 and 0xFFFFFFFFFFFFFFFF as -1; no valid
-    field holds one), and a CR not followed by LF (Arrow ends a row there, so
+    field holds one), a UTF-8 byte order mark, and a CR not followed by LF (Arrow ends a row there, so
     one line read as two rows, or a stray CR next to a line end vanished); a
     CR that ends the text is a last line's line end without its LF. Three
     memchr scans, under 1 ms for 9 MB (a block's parse is 30-60 ms); a file
@@ -81,6 +81,11 @@ def _check_bytes(data) -> None:
     text, start, end = _as_bytes(data)
     if text.find(b"x", start, end) >= 0 or text.find(b"X", start, end) >= 0:
         raise BadBlock("x in a field")
+    if text.find(b"\xef\xbb\xbf", start, end) >= 0:
+        # a byte order mark (the reader drops one that starts a file): Arrow skips one that starts the
+        # text it parses and no other, so a line starting with one passed at a block's start, failed
+        # inside a block, and the block's bad line was never found ("input changed while ...")
+        raise BadBlock("byte order mark")
     if text.find(b"\r", start, end) >= 0:
         t = np.frombuffer(text, np.uint8, count=end - start, offset=start)
         cr = np.flatnonzero(t[:-1] == ord("\r"))
@@ -249,8 +254,16 @@ def _looks_unlabelled(fields: list[str]) -> bool:
             and all(v == "" or re.fullmatch(r"[0-9a-fA-F]{8}", v) for v in fields[NUM_DENSE:]))
 
 
-def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
-    """Why a line is bad: 'column X: ...' (or a generic reason)."""
+# The same line where a line is scored (recsys predict, export.raw_inputs): preprocess's advice (score it
+# with predict) is no help there; the input's layout comes from labels= or its first line.
+UNLABELLED_SCORED = ("the line looks unlabelled (13 integer and 26 hex fields, no label) where the input is read as "
+                     "labelled (labels=true, or told from the first line): score labelled and unlabelled lines "
+                     "separately (recsys predict: labels=false for unlabelled ones)")
+
+
+def diagnose_line(line: bytes, label_int8: bool, labels: bool = True, unlabelled: str = UNLABELLED) -> str:
+    """Why a line is bad: 'column X: ...' (or a generic reason); `unlabelled`
+    is what to say of a 39-field line where 40 were expected."""
     text = line.decode("utf-8", errors="replace")
     if not text:
         return f"an empty line (expected {NUM_COLUMNS if labels else NUM_COLUMNS - 1} tab-separated fields)"
@@ -262,7 +275,7 @@ def diagnose_line(line: bytes, label_int8: bool, labels: bool = True) -> str:
         fields = ["0", *fields]
     elif len(fields) != NUM_COLUMNS:
         if _looks_unlabelled(fields):
-            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {UNLABELLED}"
+            return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}: {unlabelled}"
         return f"expected {NUM_COLUMNS} tab-separated fields, found {len(fields)}"
     lab = fields[0]
     try:

@@ -148,10 +148,34 @@ _work: _BlockWork | None = None  # a worker process's
 _slots: AttachedSlots | None = None
 
 
-def _init_worker(job: ParseJob, slot_names: list[str]) -> None:
+def _init_worker(job: ParseJob, slot_names: list[str], parent: int) -> None:
     global _work, _slots
+    _exit_with(parent)
     _work = _BlockWork(job)
     _slots = AttachedSlots(slot_names)
+
+
+PARENT_POLL_S = 0.5
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker when `parent` (the preprocess that started it) is gone.
+    A parent killed with SIGKILL never shuts its pool down, and the worker's
+    wait for its next block never ends (each worker holds the write end of the
+    pool's call queue itself, so it sees no end of file): the workers, about
+    200 MB each, and multiprocessing's resource tracker stayed for good. A
+    thread watches the parent's pid (reparented: another ppid) and exits.
+    `parent` is the pid the parent gave, not getppid() here: a parent killed
+    before this worker got this far has already been replaced."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="criteo-parent-watch", daemon=True).start()
 
 
 def _run_in_worker(block: TextBlock, slot: int | None, nbytes: int) -> BlockResult:
@@ -182,7 +206,7 @@ def parsed_blocks(job: ParseJob, workers: int) -> Iterator[BlockResult]:
 def _in_workers(job: ParseJob, workers: int, paths: list[Path]) -> Iterator[BlockResult]:
     slots = BlockSlots(IN_FLIGHT_PER_WORKER * workers, job.block_size + SLACK_BYTES)
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(job, slots.names))
+                               initializer=_init_worker, initargs=(job, slots.names, os.getpid()))
     inflight: deque[tuple[Future[BlockResult], int | None]] = deque()
 
     def oldest() -> BlockResult:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data_tools.errors import UserError
-from data_tools.manifest import MANIFEST_NAME
+from data_tools.manifest import MANIFEST_NAME, is_inside
 
 
 # --------------------------------------------------------------------------- atomic directory
@@ -30,7 +30,7 @@ def is_dataset_dir(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,7 +49,7 @@ def remove_stale_temps(output: Path) -> None:
         for p in parent.glob(glob_escape(output.name) + marker + "*"):
             suffix = p.name[len(output.name) + len(marker):]
             pid = suffix.split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
 
 
@@ -131,8 +131,8 @@ def written_files(directory: Path) -> set[str]:
 
     listed = directory / WRITTEN_LIST
     if listed.is_file():
-        try:
-            return {*json.loads(listed.read_text()), WRITTEN_LIST}
+        try:  # names inside the directory only: what it lists is moved away, then deleted
+            return {f for f in json.loads(listed.read_text()) if is_inside(f)} | {WRITTEN_LIST}
         except (ValueError, TypeError):
             pass
     try:
@@ -166,9 +166,12 @@ def _commit(tmp: Path, output: Path, if_exists: str) -> None:
     # and shards): a user's own files in the directory stay where they are.
     owned = written_files(output)
     for f in new:
-        if (output / f).exists() and f not in owned:
+        # the file, or a folder on its way that is a file (a user's `train` where the shards go in train/)
+        taken = next((p for p in [*reversed(Path(f).parents[:-1]), Path(f)]
+                      if (output / p).exists() and not (p != Path(f) and (output / p).is_dir())), None)
+        if taken is not None and taken.as_posix() not in owned:
             raise UserError(
-                f"output {output} holds {f}, which recsys did not write; refusing to overwrite it "
+                f"output {output} holds {taken.as_posix()}, which recsys did not write; refusing to overwrite it "
                 "(move it away or choose another output)"
             )
     old = output.with_name(f"{output.name}.old-{os.getpid()}")
@@ -177,11 +180,30 @@ def _commit(tmp: Path, output: Path, if_exists: str) -> None:
     old.mkdir()
     # The old manifest goes first (the directory stops being a dataset), the
     # new one comes last (it is a dataset again only when complete).
-    for f in [MANIFEST_NAME, *sorted(owned - {MANIFEST_NAME})]:
-        if (output / f).is_file():
-            _move(output / f, old / f)
-    for f in [*new, WRITTEN_LIST, MANIFEST_NAME]:
-        _move(tmp / f, output / f)
+    moved_old: list[str] = []
+    moved_new: list[str] = []
+    folders = {(output / f).parent for f in new}
+    had = {d for d in folders if d.is_dir()}
+    try:
+        for f in [MANIFEST_NAME, *sorted(owned - {MANIFEST_NAME})]:
+            if (output / f).is_file():
+                _move(output / f, old / f)
+                moved_old.append(f)
+        for f in [*new, WRITTEN_LIST, MANIFEST_NAME]:
+            _move(tmp / f, output / f)
+            moved_new.append(f)
+    except OSError:
+        # Put the previous dataset back as it was (the caller says so): the
+        # new files out, the old ones in, the folders made for the new ones gone.
+        for f in reversed(moved_new):
+            (output / f).unlink(missing_ok=True)
+        for f in reversed(moved_old):
+            _move(old / f, output / f)
+        for d in sorted(folders - had, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        shutil.rmtree(old, ignore_errors=True)
+        raise
     for d in sorted({(output / f).parent for f in owned}, key=lambda p: -len(p.parts)):
         if d != output and d.is_dir() and not any(d.iterdir()):
             d.rmdir()  # a split directory the old dataset had and the new one does not

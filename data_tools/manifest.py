@@ -109,6 +109,9 @@ class Manifest:
 def load_manifest(directory: str | os.PathLike) -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST_NAME
+    if directory.exists() and not directory.is_dir():  # was "does not exist", of a file that does
+        raise ManifestError(f"{directory} is a file, not a dataset directory (raw Criteo TSV is preprocessed first: "
+                            f"recsys preprocess criteo input={directory} output=DIR)")
     if not directory.is_dir():
         raise ManifestError(f"dataset directory {directory} does not exist")
     if not path.is_file():
@@ -120,15 +123,73 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path}: malformed manifest (a JSON {type(raw).__name__}, not an object)")
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
         raise ManifestError(
             f"{path}: format_version {version!r}, this recsys reads {FORMAT_VERSION}"
         )
     try:
-        return Manifest.from_dict(raw)
-    except (TypeError, KeyError) as e:
+        manifest = Manifest.from_dict(raw)
+    except (TypeError, KeyError, AttributeError) as e:
         raise ManifestError(f"{path}: malformed manifest ({e})") from None
+    wrong = _wrongly_typed(manifest)
+    if wrong:
+        raise ManifestError(f"{path}: malformed manifest ({wrong})")
+    for name, split in manifest.splits.items():
+        for shard in split.shards:
+            check_inside(path, f"split {name}'s shard", shard.file)
+    return manifest
+
+
+def _is(value: object, kind: type) -> bool:
+    """isinstance, where a bool is no int (JSON's true is not a count)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _wrongly_typed(m: Manifest) -> str:
+    """The first field of a loaded manifest whose JSON type its readers do not
+    take ('' if none): a dataset is untrusted input, and a string where a count
+    goes was a TypeError's traceback in predict, evaluate and train."""
+    checks: list[tuple[str, object, type]] = [
+        ("source", m.source, str), ("options", m.options, dict), ("inputs", m.inputs, list),
+        ("skipped_lines", m.skipped_lines, int), ("labelled", m.labelled, bool),
+        ("dense_features", m.dense_features, list), ("sparse_features", m.sparse_features, list),
+    ]
+    if m.session_column is not None:
+        checks.append(("session_column", m.session_column, str))
+    checks += [(f"dense_features[{i}]", f, str) for i, f in enumerate(m.dense_features or [])]
+    for i, f in enumerate(m.sparse_features):
+        checks += [(f"sparse_features[{i}].name", f.name, str), (f"sparse_features[{i}].vocab_size", f.vocab_size, int),
+                   (f"sparse_features[{i}].multi_hot", f.multi_hot, bool)]
+    for name, split in m.splits.items():
+        checks.append((f"splits.{name}.rows", split.rows, int))
+        for j, shard in enumerate(split.shards):
+            where = f"splits.{name}.shards[{j}]"
+            checks += [(f"{where}.file", shard.file, str), (f"{where}.rows", shard.rows, int),
+                       (f"{where}.sha256", shard.sha256, str)]
+            if shard.bytes is not None:
+                checks.append((f"{where}.bytes", shard.bytes, int))
+    for key, value, kind in checks:
+        if not _is(value, kind):
+            return f"{key}: {value!r} is not {'a count' if kind is int else 'a ' + kind.__name__}"
+    return ""
+
+
+def is_inside(name: object) -> bool:
+    """Whether a file name a manifest holds is a relative path that stays in
+    its directory (no absolute path, no `..`): a dataset is untrusted input."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return False
+    parts = Path(name).parts
+    return not Path(name).is_absolute() and ".." not in parts
+
+
+def check_inside(manifest_path: Path, what: str, name: object) -> None:
+    """A ManifestError naming the manifest and the key unless `name` is a file inside the dataset directory."""
+    if not is_inside(name):
+        raise ManifestError(f"{manifest_path}: {what} {name!r} is not a file inside the dataset directory")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from data_tools.manifest import ManifestError, load_manifest, sha256_file
+from data_tools.manifest import MANIFEST_NAME, ManifestError, check_inside, load_manifest, sha256_file
 
 VOCAB_DIR = "vocab"
 
@@ -147,7 +147,46 @@ def vocabulary_entry(dataset_dir: str | os.PathLike) -> dict:
             f"{dataset_dir} has no saved vocabulary (it was preprocessed before vocabularies were saved, "
             "or is not a Criteo dataset): preprocess the training data again"
         )
+    _check_entry(dataset_dir / MANIFEST_NAME, entry)
     return entry
+
+
+def _check_entry(manifest_path: Path, entry: object) -> None:
+    """A ManifestError naming the manifest and the key where the vocabulary
+    entry lacks what its readers take (a dataset is untrusted input: a
+    missing key was a KeyError's traceback)."""
+    def bad(what: str) -> ManifestError:
+        return ManifestError(f"{manifest_path}: malformed vocabulary entry (options.vocabulary{what})")
+
+    if not isinstance(entry, dict):
+        raise bad(f": {type(entry).__name__}, not an object")
+    features = entry.get("features")
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise bad(".features: not a list of feature names")
+    if not isinstance(entry.get("fingerprint"), str):
+        raise bad(".fingerprint: missing")
+    mode = entry.get("mode")
+    if mode == "hash":
+        buckets = entry.get("hash_buckets")
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 2:
+            raise bad(f".hash_buckets: {buckets!r}, not a count >= 2")
+        return
+    if mode != "vocabulary":
+        raise bad(f".mode: {mode!r}, not vocabulary or hash")
+    files = entry.get("files")
+    for name in features:
+        e = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(e, dict):
+            raise bad(f".files.{name}: missing")
+        if isinstance(e.get("size"), bool) or not isinstance(e.get("size"), int):
+            raise bad(f".files.{name}.size: {e.get('size')!r}, not a count")
+        for kind in ("values", "ids"):
+            f = e.get(kind)
+            if not isinstance(f, dict) or not isinstance(f.get("sha256"), str):
+                raise bad(f".files.{name}.{kind}: missing")
+            # its files are read, and copied by vocab=DIR: each must lie inside the dataset (a name with
+            # `..` made `recsys preprocess vocab=DIR` write over a file beside the output)
+            check_inside(manifest_path, f"vocabulary file ({name} {kind})", f.get("file"))
 
 
 def load_vocabulary(dataset_dir: str | os.PathLike, verify: bool = False) -> Vocabulary:

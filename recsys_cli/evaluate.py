@@ -17,7 +17,8 @@ The metrics are the trainer's (recsys_cli/train/metrics.py), computed from
 the same logits: evaluating a finished run's checkpoint on its val split
 gives the val AUC of its summary. convert= scores with the tables
 converted (e.g. int8, to see what an int8 export costs). The directory is
-built under a temporary name and renamed into place.
+built under a temporary name and renamed into place; over an earlier
+evaluation only these files are replaced, and other files there stay.
 """
 
 from __future__ import annotations
@@ -111,6 +112,23 @@ def plot(result: dict, directory: Path) -> list[Path]:
     return written
 
 
+PLOTS = ("roc.png", "calibration.png")
+
+
+def _replace_own_files(tmp: Path, output: Path) -> None:
+    """Move what `tmp` holds into an earlier evaluation's directory, replacing
+    only the files evaluate writes (a plot this run did not draw is removed,
+    not left stale): anything else a user keeps there stays. evaluation.json
+    comes last, each file by one rename."""
+    for name in PLOTS:
+        if (tmp / name).exists():
+            os.replace(tmp / name, output / name)
+        else:
+            (output / name).unlink(missing_ok=True)
+    os.replace(tmp / RESULT, output / RESULT)
+    tmp.rmdir()
+
+
 def evaluate(cfg: EvaluateConfig, console=None) -> dict:
     with contextlib.ExitStack() as hold:  # the output's lock, once the output is known (locks.py)
         return _evaluate(cfg, console, hold)
@@ -171,9 +189,10 @@ def _evaluate(cfg: EvaluateConfig, console, hold: contextlib.ExitStack) -> dict:
                              "pip install '.[plots]' in recsys's checkout)")
             else:
                 plot(result, tmp)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(tmp, output)
+        if output.is_dir() and any(output.iterdir()):
+            _replace_own_files(tmp, output)
+        else:
+            os.replace(tmp, output)  # absent, or an empty directory
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

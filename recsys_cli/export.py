@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from recsys_cli.errors import UserError, say
-from recsys_cli.locks import check_writable, locked_output
+from recsys_cli.locks import check_not_read, check_writable, locked_output
 from recsys_cli.options import CONVERT_RENAMED, help_text, parse_options, require, wants_help
 
 if TYPE_CHECKING:  # at run time imported where they are used, as before
@@ -248,13 +248,16 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
     a bad line (skipping it would shift every later row against its input)."""
     import numpy as np
 
-    from data_tools.criteo_text import NUM_COLUMNS, NUM_SPARSE, BadBlock, BlockParser, diagnose_line, strip_cr
+    from data_tools.criteo_text import (NUM_COLUMNS, NUM_SPARSE, UNLABELLED_SCORED, BadBlock, BlockParser,
+                                        diagnose_line, strip_cr)
 
     # (1-based position in `lines`, the line without its LF: a CR before it is
     # left for the parser, which takes CRLF and refuses any other CR)
     numbered = []
     for i, ln in enumerate(lines, 1):
         ln = ln.encode() if isinstance(ln, str) else bytes(ln)
+        if i == 1 and ln.startswith(b"\xef\xbb\xbf"):  # a byte order mark starting the file: dropped, as preprocess does
+            ln = ln[3:]
         numbered.append((i, ln[:-1] if ln.endswith(b"\n") else ln))
     if not numbered:
         return torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)
@@ -284,7 +287,7 @@ def raw_inputs(lines) -> tuple[torch.Tensor, torch.Tensor]:
             except BadBlock:
                 hi = mid
         i, ln = numbered[hi - 1]
-        raise ValueError(f"line {i}: {diagnose_line(strip_cr(ln), False, labels)}") from None
+        raise ValueError(f"line {i}: {diagnose_line(strip_cr(ln), False, labels, UNLABELLED_SCORED)}") from None
     categorical = np.full((d.rows, NUM_SPARSE), -1, dtype=np.int64)
     for f in range(NUM_SPARSE):
         categorical[d.present[f], f] = d.values[f]
@@ -321,6 +324,9 @@ def _export(cfg: ExportConfig, console, hold: contextlib.ExitStack) -> dict:
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/model{suffix})")
     hold.enter_context(locked_output(output, "output", "export"))  # one writer; an unwritable place said now
+    read = [("checkpoint", loaded.checkpoint)]
+    vocab_source = Path(cfg.vocab) if cfg.vocab else loaded.dataset_dir
+    check_not_read(output, read + ([("vocabulary dataset", vocab_source)] if vocab_source else []), "export")
     raw_ids = raw_ids_of(loaded, cfg.vocab)
     if cfg.format == "pt2":
         with _phase(console, "export: tracing the model (torch.export)", "export: traced the model with torch.export"):
@@ -491,7 +497,10 @@ def load_metadata(path: str | Path) -> dict:
     """The artifact's metadata (either format)."""
     path = Path(path).expanduser()
     if artifact_format(path) == "module":
-        return _read_scorer(path)["metadata"]
+        meta = _read_scorer(path).get("metadata")
+        if not isinstance(meta, dict):  # was a KeyError's traceback
+            raise UserError(f"{path} holds no recsys metadata (its record's 'metadata'): not a recsys export artifact")
+        return meta
     # Read from the archive itself, not through torch.export.load: that
     # deserializes the program, which runs what the file holds (its guards'
     # code, sympy expressions, pickles): metadata never needs that.

@@ -25,6 +25,10 @@ an output that is built aside and renamed into place (a dataset directory, a
 predictions file, an export artifact): a lock inside such an output would be
 renamed away with it.
 
+A writer killed mid-write leaves the `.<name>.tmp-<pid>` it built the
+output in; the next writer of that output removes it once it holds the lock
+(`remove_stale_temps`).
+
 `check_writable` is the start-up check of a place the run will write: a
 read-only file system or a directory the user may not write into is one
 line naming the path (exit 2), before any work.
@@ -69,7 +73,31 @@ def locked_output(output: Path, what: str, command: str, hint: str = "") -> Iter
     except OSError as e:
         raise UserError(f"cannot write {what} {output}: {e.strerror or e} ({output.parent})") from None
     with _held(lock_file_of(output), output, what, command, hint):
+        remove_stale_temps(output)
         yield
+
+
+def remove_stale_temps(output: Path) -> None:
+    """Remove what writers of `output` killed mid-write left beside it: the
+    file or folder `.<name>.tmp-<pid>` each builds the output in (a predict
+    killed with SIGKILL left its partial CSV there for good). Called with the
+    output's lock held, so no other recsys writer of this output is running;
+    a temp of a live pid is still left alone (a writer of another kind that
+    names its temps alike, e.g. a checkpoint being saved where output= points)."""
+    import glob
+    import shutil
+
+    from data_tools.dataset_dir import pid_alive
+
+    prefix = f".{output.name}.tmp-"
+    for p in output.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
 
 def holder_of(lock_file: Path) -> str:
@@ -135,3 +163,25 @@ def check_writable(path: Path, what: str) -> None:
         raise UserError(f"cannot write {what} {path}: {e.strerror or e}{where}") from None
     os.close(fd)
     os.unlink(name)
+
+
+
+def check_not_read(output: Path, read: list[tuple[str, Path]], command: str) -> None:
+    """UserError when `output` is a file the command reads: one of `read`
+    ((what, path) pairs, e.g. ("input", path)), or, where that is a dataset
+    directory, one of the files it is made of (its manifest, shards and
+    vocabulary). The output replaces what it names: `recsys predict
+    input=test.txt output=test.txt` put the predictions where the user's rows
+    were, and output=DATASET/manifest.json broke the dataset."""
+    from data_tools.dataset_dir import written_files
+
+    out = output.expanduser().resolve()
+    for what, path in read:
+        p = path.expanduser().resolve()
+        if out == p:
+            where = "is"
+        elif p in out.parents and p.is_dir() and out.relative_to(p).as_posix() in written_files(p):
+            where = "is a file of"
+        else:
+            continue
+        raise UserError(f"output {output} {where} the {what} {path} that `recsys {command}` reads; write it elsewhere")

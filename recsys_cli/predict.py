@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -33,14 +33,14 @@ import torch
 from recsys_cli.config import DeviceChoice, PrecisionKind, Range, check_ranges
 from recsys_cli.errors import UserError, say
 from recsys_cli.inference import LoadedModel, load_model
-from recsys_cli.locks import locked_output
+from recsys_cli.locks import check_not_read, locked_output
 from recsys_cli.options import CONVERT_RENAMED, plain_word, help_text, parse_options, require, wants_help
 
 
 @dataclass
 class PredictConfig:
     checkpoint: Optional[str] = None  # a .pt file, a checkpoint directory or a run directory
-    input: Optional[str] = None  # raw TSV file(s) (path, glob) or a dataset directory
+    input: Any = None  # raw TSV file(s) (a path, a glob or a list: input=[a.txt,b.gz]) or a dataset directory
     output: Optional[str] = None  # CSV file to write
     split: Optional[str] = None  # dataset input: one split (default: all, in input order)
     vocab: Optional[str] = None  # raw input: dataset whose vocabulary maps it (default: the training dataset's)
@@ -68,7 +68,9 @@ RANGES = {"batch_size": Range(1, unset=True), "block_size": Range(1), "threads":
 
 def split_order(manifest) -> list[str]:
     """The dataset's splits in the order their rows had in the input."""
-    order = {"kaggle": ["train", "test", "val"], "ratios": ["train", "val", "test"]}.get(
+    # kaggle and terabyte halve the last day into test, then val; ratios cuts train, val, test
+    order = {"kaggle": ["train", "test", "val"], "terabyte": ["train", "test", "val"],
+             "ratios": ["train", "val", "test"]}.get(
         manifest.options.get("split_by", manifest.options.get("split")), list(manifest.splits))  # "split": older datasets
     return [s for s in order if s in manifest.splits and manifest.splits[s].rows > 0]
 
@@ -275,6 +277,19 @@ class RowProgress:
 # --------------------------------------------------------------------------- the command
 
 
+def check_column_names(cfg: PredictConfig) -> None:
+    """The CSV's header is written as given, its rows unquoted: a name with a
+    comma, a quote or a line end (id_name=a,b made a three-column header over
+    two-column rows), an empty one or two equal names would not read back."""
+    names = {"prob_name": cfg.prob_name, **({"id_name": cfg.id_name} if cfg.id_start is not None else {})}
+    for key, name in names.items():
+        if not name or any(c in name for c in ',"\r\n'):
+            raise UserError(f"{key}={name!r}: a CSV column name must be non-empty, without a comma, a quote or a "
+                            "line end")
+    if cfg.id_start is not None and cfg.id_name == cfg.prob_name:
+        raise UserError(f"id_name and prob_name are both {cfg.id_name!r}: the CSV's two columns need two names")
+
+
 def predict(cfg: PredictConfig, console=None) -> dict:
     from rich.console import Console
 
@@ -282,6 +297,7 @@ def predict(cfg: PredictConfig, console=None) -> dict:
     checkpoint = require(cfg.checkpoint, "checkpoint", "predict", "a run directory or a .pt file")
     require(cfg.input, "input", "predict", "raw Criteo TSV, or a dataset directory")
     check_ranges(cfg, RANGES)  # before the output is touched and the model loads
+    check_column_names(cfg)
     output = Path(require(cfg.output, "output", "predict", "a CSV file to write")).expanduser()
     if output.is_dir():
         raise UserError(f"output {output} is a directory; give a file name (e.g. {output}/preds.csv)")
@@ -294,7 +310,11 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     from data_tools.criteo_input import labelled, resolve_inputs
     from data_tools.manifest import MANIFEST_NAME
 
+    # a list names raw files, as in `recsys preprocess criteo` (it was OmegaConf's "Cannot convert 'ListConfig'")
+    many = isinstance(cfg.input, (list, tuple))
     source = Path(str(cfg.input)).expanduser()
+    if many:
+        source = Path(os.devnull)  # no dataset directory
     # Options of the other kind of input are refused, not ignored (split=nosuch on raw TSV scored every line).
     if source.is_dir() and (cfg.vocab is not None or cfg.labels is not None):
         raise UserError(f"input {source} is a dataset directory: vocab= and labels= are for raw TSV input")
@@ -304,7 +324,7 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
     loaded = load_model(checkpoint, str(cfg.device), plain_word(cfg.convert))
     batch_size = cfg.batch_size if cfg.batch_size is not None else int(loaded.config["trainer"]["eval_batch_size"])
     t0 = time.perf_counter()
-    writer = None
+    read: list[tuple[str, Path]] = [("checkpoint", loaded.checkpoint)]  # what the output must not replace
     if source.is_dir():
         if not (source / MANIFEST_NAME).is_file():
             raise UserError(f"input {source} is a directory without a manifest.json (give a dataset directory "
@@ -318,8 +338,9 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         progress = RowProgress(cfg.progress, total, "rows")
         logit_blocks = lambda: dataset_logits(loaded, source, splits, batch_size, progress.advance)  # noqa: E731
         what = f"{source} ({', '.join(splits)})"
+        read.append(("input dataset", source))
     else:
-        paths = resolve_inputs(str(cfg.input))
+        paths = resolve_inputs(list(cfg.input) if many else str(cfg.input))
         vocabulary = training_vocabulary(loaded, cfg.vocab)
         labels = cfg.labels
         if labels is None:
@@ -328,6 +349,10 @@ def _predict(cfg: PredictConfig, checkpoint: str, output: Path, console) -> dict
         logit_blocks = lambda: raw_logits(loaded, paths, vocabulary, labels, batch_size, cfg.block_size,  # noqa: E731
                                           progress.advance)
         what = ", ".join(map(str, paths))
+        read += [("input", p) for p in paths]
+        if vocabulary.directory is not None:
+            read.append(("vocabulary dataset", vocabulary.directory))
+    check_not_read(output, read, "predict")
     writer = PredictionWriter(output, cfg.id_start, cfg.id_name, cfg.prob_name)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads if cfg.threads is not None else max(1, (os.cpu_count() or 2) // 2))

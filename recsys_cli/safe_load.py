@@ -95,6 +95,16 @@ def torch_file(path: Path | str, what: str = "checkpoint file", mmap: bool = Fal
     tensors, numbers, strings and safe_globals(). A file holding anything
     else is UnsafeFile (one line naming it, nothing of it built); one that
     is not a torch file at all (truncated, foreign) is a UserError naming it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        # Neither torch.save's zip archive nor a pickle (torch's legacy format): a JSON or text file
+        # given as a checkpoint was read by the pickle reader and refused as able to run code.
+        raise UserError(f"cannot read {what} {path}: not a file torch.save writes (neither a zip archive nor a "
+                        "pickle)")
     for attempt in range(2):
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -167,6 +167,58 @@ def test_preprocess_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
     assert files_of(out) == before
 
 
+def test_a_users_file_where_a_split_folder_goes_is_refused_and_changes_nothing(tmp_path):
+    """A user's file `train` in a split_by=none dataset, then a run that writes
+    train/: refused up front naming it (the commit moved the old dataset aside,
+    failed on the folder, said the output was as it was and left it without a
+    manifest, the old dataset in ds.old-PID for the next run to delete)."""
+    from data_tools.criteo import CriteoConfig, preprocess
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False, split_by="none"))
+    (out / "train").write_text("mine")
+    before = files_of(out)
+    with pytest.raises(UserError, match=r"holds train, which recsys did not write"):
+        preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    assert files_of(out) == before
+    assert not list(tmp_path.glob("ds.*"))
+
+
+def test_a_failed_commit_puts_the_previous_dataset_back(tmp_path, monkeypatch):
+    """A move that fails half way through replacing a dataset (here the third
+    new file) leaves the previous dataset at the output, whole, as the error
+    line says, and nothing beside it."""
+    from data_tools import dataset_dir
+    from data_tools.criteo import CriteoConfig, preprocess
+    from recsys_cli.errors import UserError
+
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(criteo_lines(300))
+    out = tmp_path / "ds"
+    preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False, split_by="none"))
+    (out / "notes.txt").write_text("mine")
+    before = files_of(out)
+    move, calls = dataset_dir._move, []
+
+    def failing_move(src, dst):
+        if ".tmp-" in src.parent.as_posix() or ".tmp-" in src.parent.parent.as_posix():
+            calls.append(src)
+            if len(calls) == 3:
+                raise OSError(errno.EIO, "Input/output error")
+        move(src, dst)
+
+    monkeypatch.setattr(dataset_dir, "_move", failing_move)
+    with pytest.raises(UserError, match=r"is as it was"):
+        preprocess(CriteoConfig(input=str(raw), output=str(out), progress=False))
+    assert len(calls) == 3
+    assert files_of(out) == before
+    assert not (out / "train").exists() and not (out / "val").exists()  # no folder made for the new shards
+    assert not list(tmp_path.glob("ds.*"))
+
+
 def test_preprocess_refuses_an_input_inside_the_output(tmp_path):
     raw = tmp_path / "raw.tsv"
     raw.write_text(criteo_lines(300))

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -489,6 +490,78 @@ def test_sigkill_mid_run_leaves_no_dataset_and_rerun_cleans_up(tmp_path, rows):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.txt"]
 
 
+_KILLED_WITH_WORKERS = r"""
+import sys, time
+from data_tools import shards
+orig = shards.ShardWriter._write_group
+def slow(self, group):
+    orig(self, group)
+    print("wrote", flush=True)
+    time.sleep(0.2)
+shards.ShardWriter._write_group = slow
+from data_tools.criteo import CriteoConfig, preprocess
+preprocess(CriteoConfig(input=sys.argv[1], output=sys.argv[2], row_group_rows=50, hash_buckets=100, workers=2,
+                        block_size=4096, progress=False))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigkill_mid_run_ends_the_worker_processes_too(tmp_path, rows):
+    """A preprocess with workers killed with SIGKILL left its worker processes
+    (about 200 MB each) and multiprocessing's resource tracker running for
+    good: each worker waited for its next block forever. They now end within
+    a second or two of their parent."""
+    raw = write_raw(tmp_path / "t.txt", rows)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_WORKERS, str(raw), str(tmp_path / "out")], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert proc.stdout.readline().strip() == "wrote"  # the workers are parsing
+        children = _children(proc.pid)
+        assert len(children) >= 2, children  # two workers (and the resource tracker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], "worker processes outlived their preprocess"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        # on failure: not left running; the resource tracker last, so that it unlinks the shared memory
+        children.sort(key=lambda c: b"resource_tracker" in Path(f"/proc/{c}/cmdline").read_bytes() if _alive(c) else 0)
+        for c in children:
+            for _ in range(25):
+                if not _alive(c):
+                    break
+                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes():
+                    os.kill(c, signal.SIGKILL)
+                time.sleep(0.2)
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -539,3 +612,66 @@ def test_config_errors_are_user_errors():
     assert cfg.input == ["a", "b"] and cfg.hash_buckets == 10 and isinstance(cfg, CriteoConfig)
     with pytest.raises(UserError, match="split_by must be"):
         run_preprocess("criteo", ["input=a", "output=o", "split=weekly"])
+
+
+@pytest.mark.parametrize("codec", ["bogus", "lzo"])
+def test_an_unknown_compression_is_refused_before_any_work(tmp_path, rows, codec):
+    """compression=bogus ran pass 1, then ended in pyarrow's ArrowException
+    traceback (lzo: an OSError's) at the first shard; now one line up front."""
+    raw = write_raw(tmp_path / "train.txt", rows[:50])
+    with pytest.raises(UserError, match=rf"compression must be a parquet codec .*got '{codec}'"):
+        run(tmp_path, raw, compression=codec)
+    assert not list(tmp_path.glob("out*"))
+    run(tmp_path, raw, compression="zstd")  # another codec parquet has
+
+
+@pytest.mark.parametrize("kind", ["xz-compressed", "bzip2-compressed", "a zip archive"])
+def test_a_file_compressed_otherwise_than_gzip_is_named_as_such(tmp_path, rows, kind):
+    """An .xz, .bz2 or .zip input was read as text: 'line 1: expected 40
+    tab-separated fields, found 2' (with on_error=skip: every line skipped).
+    Now one line saying what it is, for preprocess and predict's reader."""
+    import bz2
+    import lzma
+    import zipfile
+
+    from data_tools.criteo_input import labelled
+
+    text = "".join("\t".join(r) + "\n" for r in rows[:30]).encode()
+    path = tmp_path / "day_0.x"
+    if kind == "xz-compressed":
+        path.write_bytes(lzma.compress(text))
+    elif kind == "bzip2-compressed":
+        path.write_bytes(bz2.compress(text))
+    else:
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("day_0", text)
+    needle = rf"{path} is {kind}: recsys reads plain or gzip'd Criteo TSV"
+    for on_error in ("raise", "skip"):
+        with pytest.raises(UserError, match=needle):
+            run(tmp_path, path, on_error=on_error)
+    with pytest.raises(UserError, match=needle):
+        labelled(path)
+
+
+@pytest.mark.parametrize("block_size", [1024, 8 << 20])
+def test_a_byte_order_mark_starts_a_file_or_is_a_bad_line(tmp_path, rows, block_size):
+    """A UTF-8 byte order mark that starts a file is dropped (Windows editors
+    write one). One inside the input (two files joined with cat) passed where
+    it began a block and failed inside one, where no bad line was found: the
+    run ended in 'input changed while it was being preprocessed'. It is now
+    a bad line named by file, line and column, or skipped and counted."""
+    bom = b"\xef\xbb\xbf"
+    text = "".join("\t".join(r) + "\n" for r in rows[:40]).encode()
+    plain = tmp_path / "plain.txt"
+    plain.write_bytes(text)
+    first = tmp_path / "first.txt"
+    first.write_bytes(bom + text)
+    m1, out1 = run(tmp_path, plain, "a", split_by="none", block_size=block_size)
+    m2, out2 = run(tmp_path, first, "b", split_by="none", block_size=block_size)
+    assert read_split(out1, "all").equals(read_split(out2, "all"))
+    joined = tmp_path / "joined.txt"
+    joined.write_bytes(text + bom + text)
+    with pytest.raises(UserError, match=rf"{joined} line 41 column label: '\\ufeff.' is not a number"):
+        run(tmp_path, joined, "c", split_by="none", block_size=block_size)
+    m, _ = run(tmp_path, joined, "d", split_by="none", block_size=block_size, on_error="skip")
+    assert m.skipped_lines == 1 and m.splits["all"].rows == 79

@@ -296,12 +296,42 @@ def test_feature_and_split_errors(plain):
 
 
 def test_invalid_dataset_dir(tmp_path):
-    with pytest.raises(ManifestError):
+    with pytest.raises(ManifestError, match="missing does not exist"):
         ShardLoader(tmp_path / "missing")
+    (tmp_path / "raw.txt").write_text("1\t2\n")  # a file: said so, not "does not exist" (evaluate input=FILE)
+    with pytest.raises(ManifestError, match=r"raw.txt is a file, not a dataset directory .*recsys preprocess criteo"):
+        ShardLoader(tmp_path / "raw.txt")
     d = write_dataset(tmp_path, {"train": 100})
     (d / "train-00000.parquet").unlink()
     with pytest.raises(ManifestError, match="missing"):
         ShardLoader(d)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda m: m.update(splits=[]), r"'list' object has no attribute 'items'"),
+    (lambda m: m.update(options=[]), r"options: \[\] is not a dict"),
+    (lambda m: m["splits"]["train"].update(rows="100"), r"splits.train.rows: '100' is not a count"),
+    (lambda m: m["sparse_features"][0].update(vocab_size=True), r"sparse_features\[0\].vocab_size: True is not a count"),
+    (lambda m: m.update(dense_features=None), r"dense_features: None is not a list"),
+    (lambda m: m.update(labelled="no"), r"labelled: 'no' is not a bool"),
+], ids=["splits-list", "options-list", "rows-string", "vocab-size-bool", "dense-null", "labelled-string"])
+def test_a_wrongly_typed_manifest_is_a_manifest_error(tmp_path, damage, needle):
+    """A manifest whose JSON has a list, string or null where a mapping, count
+    or list goes: one ManifestError naming it and the key (predict, evaluate
+    and verify ended in an AttributeError's or TypeError's traceback)."""
+    import json
+
+    from data_tools.manifest import load_manifest
+
+    d = write_dataset(tmp_path, {"train": 100})
+    m = json.loads((d / "manifest.json").read_text())
+    damage(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=rf"manifest.json: malformed manifest \({needle}"):
+        load_manifest(d)
+    (d / "manifest.json").write_text("[1]")
+    with pytest.raises(ManifestError, match=r"malformed manifest \(a JSON list, not an object\)"):
+        load_manifest(d)
 
 
 def _peak_arrow_bytes(loader) -> int:

@@ -116,7 +116,7 @@ def test_predict_bad_input(trained, tmp_path):
     # a row with a wrong field count after good ones: named by line, and no output left behind
     lines = ["\t".join(r) for r in trained["val_rows"][:5]] + ["\t".join(trained["val_rows"][5][1:])]
     bad.write_text("\n".join(lines) + "\n")
-    with pytest.raises(UserError, match=r"bad.txt line 6: expected 40 tab-separated fields, found 39: the input looks unlabelled .*labels=false"):
+    with pytest.raises(UserError, match=r"bad.txt line 6: expected 40 tab-separated fields, found 39: the line looks unlabelled .*labels=false for unlabelled ones"):
         predict(PredictConfig(**{**base, "input": str(bad), "labels": True}))
     assert not (tmp_path / "p.csv").exists() and not list(tmp_path.glob(".p.csv.tmp*"))
     # another vocabulary: a dataset built from other rows
@@ -545,3 +545,152 @@ def test_exported_ids_past_a_table_are_an_error_naming_the_feature(tmp_path):
         assert torch.equal(model(dense, last), expected)
         with pytest.raises(error, match=re.escape(message)):
             model(dense, past)
+
+
+def test_a_terabyte_dataset_is_scored_in_input_order(trained, tmp_path):
+    """split_by=terabyte halves the last day into test, then val: predict on the
+    dataset writes the rows in that order, as on the raw days (it wrote val
+    before test, the manifest's order)."""
+    rows = trained["val_rows"][:90]
+    days = tmp_path / "days"
+    days.mkdir()
+    write_raw(days / "day_0", rows[:50])
+    write_raw(days / "day_1", rows[50:])
+    preprocess(CriteoConfig(input=str(days / "day_*"), output=str(tmp_path / "tb"), split_by="terabyte",
+                            vocab=str(trained["data"]), progress=False))
+    base = dict(checkpoint=str(trained["run"]), progress=False, device="cpu", batch_size=1)
+    predict(PredictConfig(input=str(tmp_path / "tb"), output=str(tmp_path / "dataset.csv"), **base))
+    predict(PredictConfig(input=str(days / "day_*"), output=str(tmp_path / "raw.csv"), **base))
+    assert (tmp_path / "dataset.csv").read_text() == (tmp_path / "raw.csv").read_text()
+
+
+def test_evaluate_again_keeps_the_users_files(trained, tmp_path):
+    """A rerun into an earlier evaluation's directory replaces evaluate's own
+    files only (it removed the whole directory, and a user's notes in it)."""
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+
+    out = tmp_path / "eval"
+    base = dict(checkpoint=str(trained["run"]), split="val", output=str(out), progress=False, device="cpu")
+    evaluate(EvaluateConfig(**base))
+    (out / "notes.txt").write_text("mine")
+    (out / "evaluation.json").write_text("{}")
+    result = evaluate(EvaluateConfig(**base, plots=False))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["evaluation.json", "notes.txt"]  # no stale plots
+    assert result["split"] == "val" and not list(tmp_path.glob(".eval.tmp-*"))
+
+
+def test_an_output_that_is_a_file_read_is_refused_and_the_file_kept(trained, tmp_path, capsys, monkeypatch):
+    """predict output= its raw input replaced the user's rows with the
+    predictions; output= a dataset's manifest or shard, or export output= the
+    checkpoint, replaced what the command had read. Each is one line, exit 2,
+    and the file stays as it was; a new file beside a dataset's is fine."""
+    import shutil
+
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:20])
+    data = tmp_path / "data"
+    shutil.copytree(trained["data"], data)
+    checkpoint = next((trained["run"] / "checkpoints").glob("step-*.pt"))
+    cases = [
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={raw}"], raw, "is the input"),
+        (["predict", f"checkpoint={trained['run']}", f"input={data}", f"output={data / 'manifest.json'}"],
+         data / "manifest.json", "is a file of the input dataset"),
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"vocab={data}",
+          f"output={data / 'vocab' / 'C1.ids.npy'}"], data / "vocab" / "C1.ids.npy", "is a file of the vocabulary dataset"),
+        (["predict", f"checkpoint={trained['run']}", f"input={raw}", f"output={checkpoint}"], checkpoint,
+         "is the checkpoint"),
+        (["export", f"checkpoint={trained['run']}", f"output={checkpoint}", "format=module"], checkpoint,
+         "is the checkpoint"),
+    ]
+    monkeypatch.setenv("COLUMNS", "400")
+    for argv, kept, needle in cases:
+        before = kept.read_bytes()
+        code, stderr = in_process([*argv, "progress=false"] if argv[0] == "predict" else argv, capsys)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr  # export says what it loaded first
+        assert needle in errors[0] and "that `recsys" in errors[0], stderr
+        assert kept.read_bytes() == before
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={data}", "split=val",
+                               f"output={data / 'preds.csv'}", "progress=false", "device=cpu"], capsys)
+    assert code == 0 and (data / "preds.csv").is_file(), stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (["id_start=0", "id_name=a,b"], "id_name='a,b': a CSV column name must be non-empty, without a comma"),
+    (['prob_name=p"'], "prob_name='p\"': a CSV column name"),
+    (["id_start=0", "id_name=Predicted"], "id_name and prob_name are both 'Predicted'"),
+])
+def test_a_column_name_the_csv_cannot_hold_is_refused(trained, tmp_path, capsys, monkeypatch, options, message):
+    """id_name=a,b wrote the header `a,b,Predicted` over two-column rows: a CSV
+    that does not read back. Now one line, exit 2, before anything is written."""
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:5])
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input={raw}",
+                               f"output={tmp_path / 'p.csv'}", "progress=false", *options], capsys)
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next(trained, tmp_path):
+    """predict, evaluate and export build their output as `.<name>.tmp-<pid>`
+    beside it; one killed with SIGKILL left that (a partial CSV) for good. The
+    next writer of the same output removes it; other outputs' are left alone."""
+    from recsys_cli.evaluate import EvaluateConfig, evaluate
+
+    raw = write_raw(tmp_path / "rows.txt", trained["val_rows"][:10])
+    (tmp_path / ".p.csv.tmp-999999").write_text("Predicted\n0.5\n")  # a partial CSV
+    (tmp_path / ".other.csv.tmp-999999").write_text("not this output's")
+    (tmp_path / ".eval.tmp-999999").mkdir()
+    (tmp_path / ".eval.tmp-999999" / "evaluation.json").write_text("{")
+    predict(PredictConfig(checkpoint=str(trained["run"]), input=str(raw), output=str(tmp_path / "p.csv"),
+                          progress=False, device="cpu"))
+    evaluate(EvaluateConfig(checkpoint=str(trained["run"]), split="val", output=str(tmp_path / "eval"),
+                            progress=False, device="cpu", plots=False))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".other.csv.tmp-999999"]
+
+
+def test_a_list_of_raw_files_is_scored_in_order(trained, tmp_path, capsys):
+    """input=[a,b] (preprocess's way of naming several files) was OmegaConf's
+    "Cannot convert 'ListConfig' to string"; now the files are scored in the
+    order given, as one file holding both."""
+    a = write_raw(tmp_path / "a.txt", trained["val_rows"][:7])
+    b = write_raw(tmp_path / "b.txt.gz", trained["val_rows"][7:20], gz=True)
+    both = write_raw(tmp_path / "both.txt", trained["val_rows"][:20])
+    base = ["predict", f"checkpoint={trained['run']}", "progress=false", "device=cpu", "batch_size=4"]
+    code, stderr = in_process([*base, f"input=[{a},{b}]", f"output={tmp_path / 'list.csv'}"], capsys)
+    assert code == 0, stderr
+    code, stderr = in_process([*base, f"input={both}", f"output={tmp_path / 'one.csv'}"], capsys)
+    assert code == 0, stderr
+    assert (tmp_path / "list.csv").read_text() == (tmp_path / "one.csv").read_text()
+    assert len((tmp_path / "list.csv").read_text().splitlines()) == 21
+
+
+def test_an_unlabelled_line_among_labelled_ones_gets_the_scorers_advice(trained, tmp_path, capsys, monkeypatch):
+    """A 39-field line where predict (or raw_inputs) reads labelled lines was
+    told preprocess's advice ("preprocess builds training data ...; to score
+    it: recsys predict ..."), to a user who was scoring it."""
+    from recsys_cli.export import raw_inputs
+
+    labelled_rows = write_raw(tmp_path / "a.txt", trained["val_rows"][:3])
+    unlabelled_rows = write_raw(tmp_path / "b.txt", [r[1:] for r in trained["val_rows"][3:6]])
+    monkeypatch.setenv("COLUMNS", "400")
+    code, stderr = in_process(["predict", f"checkpoint={trained['run']}", f"input=[{labelled_rows},{unlabelled_rows}]",
+                               f"output={tmp_path / 'p.csv'}", "progress=false"], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert f"{unlabelled_rows} line 1: expected 40 tab-separated fields, found 39: the line looks unlabelled" in stderr
+    assert "score labelled and unlabelled lines separately" in stderr and "preprocess" not in stderr, stderr
+    lines = [*labelled_rows.read_text().splitlines(), unlabelled_rows.read_text().splitlines()[0]]
+    with pytest.raises(ValueError, match=r"^line 4: .*found 39: the line looks unlabelled") as error:
+        raw_inputs(lines)
+    assert "preprocess" not in str(error.value)
+
+
+def test_a_scorer_record_without_metadata_is_one_line(tmp_path):
+    """load_metadata on a format=module record that lacks its metadata was a
+    KeyError; load_scorer's record checks already name such a file."""
+    from recsys_cli.export import SCORER_FORMAT, load_metadata
+
+    path = tmp_path / "m.scorer.pt"
+    torch.save({"format": SCORER_FORMAT, "state_dict": {}}, path)
+    with pytest.raises(UserError, match=rf"^{path} holds no recsys metadata"):
+        load_metadata(path)

@@ -258,3 +258,17 @@ def test_upgrade_converts_a_trusted_checkpoint_and_its_record(run, tmp_path):
 
 class PlainEnum(str, enum.Enum):
     old = "old"
+
+
+@pytest.mark.parametrize("content", [b'{"step": 1}\n', b"", b"1\t2\t3\n"], ids=["json", "empty", "tsv"])
+def test_a_file_that_is_no_torch_file_is_not_called_unsafe(tmp_path, content):
+    """A JSON or text file given as a checkpoint went to the pickle reader and
+    was refused as able to run code (\"it holds , which is not plain data\")
+    with advice to convert it; it is simply not a torch file, and says so."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as error:
+        safe_load.torch_file(path)
+    assert not isinstance(error.value, safe_load.UnsafeFile)
+    assert str(error.value) == (f"cannot read checkpoint file {path}: not a file torch.save writes (neither a zip "
+                                "archive nor a pickle)")

@@ -167,3 +167,55 @@ def test_recsys_verify_checks_the_saved_vocabulary(tmp_path, train_rows):
     values.write_bytes(bytes(data))
     with pytest.raises(UserError, match=rf"{values}: vocabulary file does not match its sha256"):
         run_verify([str(out)])
+
+
+def test_a_dataset_naming_files_outside_itself_is_refused(tmp_path, train_rows):
+    """A dataset is untrusted: a vocabulary file named `../victim.txt` (a valid
+    .npy there) made `recsys preprocess vocab=DIR` copy it over the file of
+    that name beside the output, a user's file; a shard named outside the
+    dataset would be read. Both are one line naming the manifest and the key."""
+    import json
+    import shutil
+
+    raw = write_raw(tmp_path / "train.txt", train_rows)
+    _, src = run(tmp_path, raw, "src")
+    evil = tmp_path / "downloads" / "evil"
+    shutil.copytree(src, evil)
+    shutil.copy(evil / "vocab" / "C1.ids.npy", evil.parent / "victim.txt")  # what would be written
+    (tmp_path / "victim.txt").write_text("precious")
+    manifest = json.loads((evil / "manifest.json").read_text())
+    manifest["options"]["vocabulary"]["files"]["C1"]["ids"]["file"] = "../victim.txt"
+    (evil / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"vocabulary file \(C1 ids\) '../victim.txt' is not a file inside"):
+        run(tmp_path, raw, "out", vocab=str(evil))
+    assert (tmp_path / "victim.txt").read_text() == "precious"
+    with pytest.raises(UserError, match=r"vocabulary file \(C1 ids\) '../victim.txt' is not a file inside"):
+        load_vocabulary(evil)
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["file"] = str(tmp_path / "train.txt")
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"split train's shard '/.*train.txt' is not a file inside"):
+        load_manifest(src)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda v: v["files"].pop("C5"), r"options.vocabulary.files.C5: missing"),
+    (lambda v: v.pop("features"), r"options.vocabulary.features: not a list"),
+    (lambda v: v["files"]["C2"]["ids"].pop("sha256"), r"options.vocabulary.files.C2.ids: missing"),
+    (lambda v: v.update(mode="bloom"), r"options.vocabulary.mode: 'bloom'"),
+], ids=["no-C5", "no-features", "no-sha256", "bad-mode"])
+def test_a_malformed_vocabulary_entry_is_one_line(tmp_path, train_rows, damage, needle):
+    """A vocabulary entry missing a key was a KeyError's traceback in predict,
+    preprocess vocab=DIR and verify; now one line naming the manifest and key."""
+    import json
+
+    from recsys_cli.verify import run_verify
+
+    _, src = run(tmp_path, write_raw(tmp_path / "train.txt", train_rows), "src")
+    manifest = json.loads((src / "manifest.json").read_text())
+    damage(manifest["options"]["vocabulary"])
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    for attempt in (lambda: load_vocabulary(src), lambda: run(tmp_path, tmp_path / "train.txt", "out", vocab=str(src)),
+                    lambda: run_verify([str(src)])):
+        with pytest.raises(UserError, match=rf"{src}/manifest.json: malformed vocabulary entry \({needle}"):
+            attempt()

@@ -362,10 +362,10 @@ def with_index(device: torch.device | str) -> torch.device:
     return device
 
 
-def parse_device(name: str) -> torch.device:
-    """trainer.device as written (auto, cpu, cuda, cuda:N) as a device, with
+def parse_device(name: str, key: str = "trainer.device") -> torch.device:
+    """A device option as written (auto, cpu, cuda, cuda:N) as a device, with
     no index chosen: auto is cuda when a GPU is present, else cpu. Anything
-    else is a one-line UserError."""
+    else is a one-line UserError naming the option, `key`."""
     name = str(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -374,11 +374,11 @@ def parse_device(name: str) -> torch.device:
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
-        raise UserError(f"trainer.device={name} is not a device: give auto, cpu, cuda or cuda:N")
+        raise UserError(f"{key}={name} is not a device: give auto, cpu, cuda or cuda:N")
     return device
 
 
-def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
+def resolve_device(name: str, one_of_many: bool = False, key: str = "trainer.device") -> torch.device:
     """The device this process trains on, always with its index: tensors on
     `cuda` and `cuda:0` are on the same GPU, but the devices compare unequal,
     so code that asks "is this tensor where the table is?" must see one
@@ -386,19 +386,19 @@ def resolve_device(name: str, one_of_many: bool = False) -> torch.device:
     streams and the caching allocator follow it). `one_of_many`: this process
     is one rank of several, each on the GPU its launcher selected
     (torch.cuda.current_device(), set from its local rank), so naming one
-    GPU for all of them is refused."""
-    device = parse_device(name)
+    GPU for all of them is refused. `key`: the option's name in errors."""
+    device = parse_device(name, key)
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        raise UserError(f"trainer.device={name} but no CUDA device is available (use trainer.device=auto or cpu)")
+        raise UserError(f"{key}={name} but no CUDA device is available (use {key}=auto or cpu)")
     if one_of_many:
         if device.index is not None:
             raise UserError(one_gpu_for_many(name))
         return torch.device("cuda", torch.cuda.current_device())
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= torch.cuda.device_count():
-        raise UserError(f"trainer.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise UserError(f"{key}={name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -198,7 +198,7 @@ def load_model(location: str | Path, device: str = "auto", precision: str | None
     for key in ("model", "tables", "features", "config"):
         if key not in state:
             raise UserError(f"{path} is not a recsys training checkpoint (no {key!r})")
-    dev = resolve_device(device)
+    dev = resolve_device(device, key="device")  # predict and evaluate spell it device=
     cfg = state["config"]
     features = list(state["features"])
     saved = [materialize(state["tables"][f]) for f in features]  # a disk table: read whole from its files

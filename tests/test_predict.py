@@ -212,6 +212,17 @@ def test_cli_errors_are_one_line_exit_2(trained, tmp_path, capsys, monkeypatch):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_a_device_error_names_the_commands_own_option(trained, tmp_path, capsys, monkeypatch):
+    """predict and evaluate take device=, not trainer.device=: the error says what to change."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["predict", f"checkpoint={trained['run']}", f"input={trained['tmp'] / 'train.txt'}",
+                  f"output={tmp_path / 'p.csv'}", "device=cuda"],
+                 ["evaluate", f"checkpoint={trained['run']}", f"output={tmp_path / 'e'}", "device=gpu"]):
+        code, stderr = in_process(argv, capsys)
+        assert code == 2 and stderr.startswith("error: device=") and "trainer.device" not in stderr, stderr
+    assert not (tmp_path / "p.csv").exists() and not (tmp_path / "e").exists()
+
+
 @pytest.mark.parametrize("command, option, message", [
     ("predict", "batch_size=0", "batch_size must be >= 1 (or unset), got 0"),  # was the run's default, silently
     ("predict", "batch_size=-3", "batch_size must be >= 1 (or unset), got -3"),

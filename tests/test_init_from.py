@@ -74,6 +74,18 @@ def test_init_from_errors(days, tmp_path):
                        trainer__resume=str(tmp / "run0"), **base))
 
 
+def test_init_from_another_optimizers_checkpoint_is_refused(days, tmp_path):
+    """An SGD checkpoint has no Adagrad state: init_from into an Adagrad run
+    took it, and the first step failed with a traceback (KeyError: 'step')."""
+    tmp, _ = days
+    base = dict(dataset__path=str(tmp / "day0"), trainer__batch_size=64, trainer__device="cpu")
+    Trainer(config(tmp / "cache", trainer__max_steps=2, trainer__checkpoint_dir=str(tmp_path / "sgd"),
+                   optimizer__name="sgd", **base)).fit()
+    with pytest.raises(UserError, match=r"does not fit optimizer.name=adagrad \(it was trained with optimizer.name=sgd"):
+        Trainer(config(tmp / "cache", trainer__max_steps=2, trainer__init_from=str(tmp_path / "sgd"),
+                       optimizer__name="adagrad", **base))
+
+
 def test_resume_returns_the_position_it_restores(days):
     """restore.resume loads the modules it is given and returns where the run
     continues: the trainer's own counters change only when it applies them."""

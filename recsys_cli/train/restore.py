@@ -175,8 +175,11 @@ def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple
     try:
         optimizer.load_state_dict(state["dense_optimizer"])
     except ValueError as e:
+        saved = state.get("config")
+        was = saved.get("optimizer", {}).get("name") if isinstance(saved, dict) else None
+        trained = f"it was trained with optimizer.name={was}: " if was else ""
         raise UserError(f"trainer.init_from={path}: its optimizer state does not fit optimizer."
-                        f"name={cfg.optimizer.name} ({e})") from None
+                        f"name={cfg.optimizer.name} ({trained}{e})") from None
     for group, h in zip(optimizer.param_groups, hyper):
         group.update(h)
     into.embeddings.load_table_state(state["tables"])

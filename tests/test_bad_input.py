@@ -233,6 +233,35 @@ def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothi
     assert after == before  # the refused run held the checkpoint directory while it checked, and left no lock and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
+def test_a_resume_of_another_runs_checkpoint_into_a_finished_run_directory_is_refused(tmp_path, train):
+    """trainer.resume=RUN_A's checkpoint with hydra.run.dir=RUN_B (a finished
+    run) wrote A's history over B's metrics.jsonl and summary.json, and A's
+    checkpoint of a step over B's of the same step, without a word."""
+    data = tiny_dataset(tmp_path)
+    for run, seed in (("a", 0), ("b", 1)):
+        r = train(f"dataset.path={data}", *TINY_TRAIN, f"trainer.seed={seed}", f"hydra.run.dir={run}")
+        assert r.returncode == 0, r.stderr
+    b = tmp_path / "b"
+    before = files_of(b)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, f"trainer.resume={tmp_path / 'a' / 'checkpoints'}",
+              "trainer.max_steps=8", "hydra.run.dir=b")
+    assert_user_error(r, f"run directory {b} holds another run (metrics.jsonl, summary.json, checkpoints/)",
+                      str(tmp_path / "a" / "checkpoints" / "step-00000006.pt"), "nothing was changed")
+    assert files_of(b) == before
+    # In place (its own checkpoint, by path or as the latest) and into a new directory, it resumes.
+    for args in ([f"trainer.resume={b / 'checkpoints' / 'step-00000006.pt'}", "hydra.run.dir=b"],
+                 ["trainer.resume=true", "trainer.max_steps=10", "hydra.run.dir=b"],
+                 [f"trainer.resume={tmp_path / 'a' / 'checkpoints'}", "hydra.run.dir=c"]):
+        r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=8", *args)
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+    # The check finds the checkpoint quietly: a damaged latest.json is one warning, the trainer's.
+    (b / "checkpoints" / "latest.json").write_text('{"fi')
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "trainer.resume=true", "hydra.run.dir=b")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("latest.json is damaged") == 1, r.stderr
+
+
 def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path, train):
     """A start that fails before any output (here: no dataset) left an empty
     outputs/DATE/TIME/ (its lock, .hydra/, an empty app.log) per attempt (issue 28)."""

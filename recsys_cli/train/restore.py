@@ -45,6 +45,8 @@ class Resumed:
     running_steps: int
     loop: dict | None = None  # the loop rules' state (loop_control.py); None: a checkpoint older than them
     strategy: dict | None = None  # the saving run's Strategy.state_dict() (None: a checkpoint older than that)
+    # every saving rank's training-batch counts (Trainer.counts_per_rank; None: a checkpoint older than them)
+    train_counts: list | None = None
 
 
 class Tables(Protocol):
@@ -132,7 +134,7 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     loss, steps = state["running_loss"] if "metrics" in state else (None, 0)
     return Resumed(path, state["step"], state["epoch"], state["batch_in_epoch"], state["samples"],
                    state.get("metrics"), loss, steps, state.get("loop"),
-                   state.get("strategy") or _older_strategy_state(state))
+                   state.get("strategy") or _older_strategy_state(state), state.get("train_counts"))
 
 
 def _older_strategy_state(state: dict) -> dict | None:

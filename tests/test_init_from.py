@@ -86,6 +86,16 @@ def test_init_from_another_optimizers_checkpoint_is_refused(days, tmp_path):
                        optimizer__name="adagrad", **base))
 
 
+def test_init_from_another_model_names_the_parameter_that_does_not_fit(days):
+    """The one line said only torch's header: "(Error(s) in loading state_dict for DLRM:)"."""
+    tmp, _ = days
+    with pytest.raises(UserError, match=r"its model does not fit this config's \(size mismatch for top\.0\.weight: "
+                                        r"copying a param with shape torch.Size\(\[64, \d+\]\) from checkpoint"):
+        Trainer(config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__max_steps=2, trainer__batch_size=64,
+                       trainer__device="cpu", optimizer__name="adagrad", model__interaction="cat",
+                       trainer__init_from=str(tmp / "run0")))
+
+
 def test_resume_returns_the_position_it_restores(days):
     """restore.resume loads the modules it is given and returns where the run
     continues: the trainer's own counters change only when it applies them."""

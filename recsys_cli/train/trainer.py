@@ -191,7 +191,8 @@ class Trainer:
         self.train_ctr_samples = 0
         if tc.resume and tc.init_from:
             raise UserError("trainer.resume continues a run, trainer.init_from starts a new one from a checkpoint: "
-                            "give one of them")
+                            "give one of them (a run that started from trainer.init_from continues with "
+                            "trainer.resume alone: its checkpoints hold what it started from)")
         saved_strategy = None
         if tc.resume:
             saved_strategy = self.resume(tc.resume)
@@ -332,8 +333,10 @@ class Trainer:
             with self.throughput.paused("checkpoint"):
                 self.save()
         path = self.checkpoint_dir / f"step-{self.step:08d}.pt"
+        # a run started with trainer.init_from: repeating it beside trainer.resume is refused (__init__)
+        same = "same overrides but trainer.init_from" if self.cfg.trainer.init_from else "same overrides"
         raise Preempted(f"SIGTERM: stopped after step {self.step} of {self.total_steps} and saved {path}; "
-                        "continue with trainer.resume=true (same overrides)")
+                        f"continue with trainer.resume=true ({same})")
 
     def step_record(self, loss: float, rate: float) -> dict:
         """What a log line says: loss, speed, the cache's hit rate so far, and the seconds spent per phase."""

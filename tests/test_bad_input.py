@@ -746,6 +746,28 @@ def test_a_damaged_latest_json_falls_back_to_the_newest_checkpoint(tmp_path, cap
         checkpoint.find_checkpoint(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("name", ["../other/step-00000004.pt", "OTHER", "step-00000004.pt"])
+def test_a_latest_json_naming_a_file_out_of_its_directory_is_damaged(tmp_path, capsys, name):
+    """latest.json is a file like any other: one that names another
+    directory's checkpoint ("../other/...", an absolute path) took a resume
+    there; one whose file is not its step's was followed too. Either is
+    damaged: the newest complete checkpoint beside it is used, with a warning."""
+    from recsys_cli import checkpoints as checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    for ck, steps in (("ck", 8), ("other", 4)):
+        Trainer(config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50,
+                       trainer__max_steps=steps, trainer__checkpoint_dir=str(tmp_path / ck)),
+                run_dir=tmp_path / f"run-{ck}").fit()
+    latest = tmp_path / "ck" / "latest.json"
+    name = str(tmp_path / "other" / "step-00000004.pt") if name == "OTHER" else name
+    latest.write_text(json.dumps({"file": name, "step": 8}))
+    capsys.readouterr()
+    assert checkpoint.find_checkpoint(tmp_path / "ck") == tmp_path / "ck" / "step-00000008.pt"
+    assert capsys.readouterr().err.startswith(f"warning: {latest} is damaged; using the newest complete checkpoint")
+
+
 def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
     from recsys_cli.errors import UserError
     from recsys_cli.train import metrics

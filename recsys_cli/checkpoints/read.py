@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from recsys_cli import safe_load
-from recsys_cli.checkpoints.layout import BEST, LATEST, is_sharded
+from recsys_cli.checkpoints.layout import BEST, LATEST, is_sharded, step_file
 from recsys_cli.checkpoints.reshard import assemble_tables
 from recsys_cli.checkpoints.verify import checked_shard_dir, verify_checkpoint_file
 from recsys_cli.embeddings.disk_checkpoint import is_disk_table
@@ -30,10 +30,13 @@ from recsys_cli.errors import UserError, warn
 
 def read_latest(directory: Path) -> dict | None:
     """latest.json's record ({"file", "step"}); None when it is missing or
-    damaged (not JSON, or without the keys)."""
+    damaged (not JSON, without the keys, or naming another file than its
+    step's checkpoint beside it: "../../other-run/checkpoints/step-N.pt", or
+    an absolute path, took a resume out of the directory to whatever it named)."""
     try:
         record = json.loads((Path(directory) / LATEST).read_text())
-        if isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("step"), int):
+        if isinstance(record, dict) and type(record.get("step")) is int and record.get("file") == step_file(
+                record["step"]):
             return record
     except (OSError, ValueError, UnicodeDecodeError):
         pass

@@ -768,6 +768,25 @@ def test_a_latest_json_naming_a_file_out_of_its_directory_is_damaged(tmp_path, c
     assert capsys.readouterr().err.startswith(f"warning: {latest} is damaged; using the newest complete checkpoint")
 
 
+@pytest.mark.parametrize("best", ['[1]', '{"file": "step-0000001x.pt"}', '{"file": 5}'])
+def test_a_damaged_best_json_is_named_again_on_resume(tmp_path, best):
+    """best.json whose "file" was not a checkpoint's name, or not a mapping,
+    made a keep_best resume fail with a traceback (ValueError: invalid literal
+    for int()); the resume names the best checkpoint again (its loop state knows it)."""
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    ck = tmp_path / "ck"
+    common = dict(optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__checkpoint_every=4,
+                  trainer__eval_every=4, trainer__keep_best=True, trainer__checkpoint_dir=str(ck))
+    Trainer(config(tmp_path, trainer__max_steps=8, **common), run_dir=tmp_path / "run").fit()
+    named = json.loads((ck / "best.json").read_text())
+    (ck / "best.json").write_text(best)
+    resumed = Trainer(config(tmp_path, trainer__max_steps=10, trainer__resume="true", **common), run_dir=tmp_path / "run")
+    assert json.loads((ck / "best.json").read_text()) == named
+    resumed.fit()
+
+
 def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):
     from recsys_cli.errors import UserError
     from recsys_cli.train import metrics

@@ -17,6 +17,7 @@ rows.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from recsys_cli import safe_load
@@ -60,9 +61,11 @@ def best_file(directory: Path | None) -> str | None:
     if path is None or not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["file"]
-    except (ValueError, KeyError):
+        name = json.loads(path.read_text()).get("file")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return None
+    # a damaged best.json (another file, not a name: '[1]', 'step-0000001x.pt') was a traceback on resume
+    return name if isinstance(name, str) and re.fullmatch(r"step-\d{8}\.pt", name) else None
 
 
 def best_step(directory: Path) -> int | None:

@@ -235,6 +235,19 @@ def train_config(overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
+def _naming_saved_overrides(error: UserError, restored) -> UserError:
+    """A resume's configuration error that the overrides it took from the
+    resumed run cause (the command line alone composes) names the file they
+    came from: 'unknown key' alone did not say it was in .hydra/overrides.yaml."""
+    if restored.source is None or not restored.taken:
+        return error
+    try:
+        check_overrides(restored.overrides[len(restored.taken):])
+    except UserError:
+        return error  # the command line's own
+    return UserError(f"{error} (in the overrides the resume took from {restored.source})")
+
+
 def check_places(overrides: list[str], cfg: DictConfig | None) -> None:
     """Before Hydra makes the run directory (a read-only one was Hydra's
     traceback): the run (or sweep) directory and the checkpoint directory can
@@ -335,7 +348,10 @@ def run_train_app(overrides: list[str]) -> None:
     restored = with_saved_overrides(overrides, check_overrides)  # trainer.resume: the resumed run's overrides first
     say_restored(restored)
     overrides = restored.overrides
-    cfg = check_overrides(overrides)
+    try:
+        cfg = check_overrides(overrides)
+    except UserError as e:
+        raise _naming_saved_overrides(e, restored) from None
     check_places(overrides, cfg)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
     global _output_subdir

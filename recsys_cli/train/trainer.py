@@ -522,6 +522,9 @@ class Trainer:
                                  ("stop_at_auc", tc.stop_at_auc)) if on]
         if rules and "val" not in self.eval_loaders:
             raise UserError(f"trainer.{rules[0]} decides on validations, but {self.data.directory} has no val rows")
+        if tc.eval_every and "val" not in self.eval_loaders:  # it was ignored without a word
+            raise UserError(f"trainer.eval_every={tc.eval_every} validates on the val split, but "
+                            f"{self.data.directory} has no val rows: leave trainer.eval_every unset")
         stops = [r for r in rules if r != "keep_best"]
         if stops and not tc.eval_every and not (tc.eval_each_epoch and tc.epochs > 1):
             raise UserError(f"trainer.{stops[0]} stops on a validation during the run: set trainer.eval_every=N "

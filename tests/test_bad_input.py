@@ -285,6 +285,35 @@ def test_a_second_run_into_a_finished_run_directory_is_refused_and_changes_nothi
     assert after == before  # the refused run held the checkpoint directory while it checked, and left no lock and not (tmp_path / "other" / "metrics.jsonl").exists()
 
 
+def test_a_resume_of_another_runs_checkpoint_into_a_finished_run_directory_is_refused(tmp_path, train):
+    """trainer.resume=RUN_A's checkpoint with hydra.run.dir=RUN_B (a finished
+    run) wrote A's history over B's metrics.jsonl and summary.json, and A's
+    checkpoint of a step over B's of the same step, without a word."""
+    data = tiny_dataset(tmp_path)
+    for run, seed in (("a", 0), ("b", 1)):
+        r = train(f"dataset.path={data}", *TINY_TRAIN, f"trainer.seed={seed}", f"hydra.run.dir={run}")
+        assert r.returncode == 0, r.stderr
+    b = tmp_path / "b"
+    before = files_of(b)
+    r = train(f"dataset.path={data}", *TINY_TRAIN, f"trainer.resume={tmp_path / 'a' / 'checkpoints'}",
+              "trainer.max_steps=8", "hydra.run.dir=b")
+    assert_user_error(r, f"run directory {b} holds another run (metrics.jsonl, summary.json, checkpoints/)",
+                      str(tmp_path / "a" / "checkpoints" / "step-00000006.pt"), "nothing was changed")
+    assert files_of(b) == before
+    # In place (its own checkpoint, by path or as the latest) and into a new directory, it resumes.
+    for args in ([f"trainer.resume={b / 'checkpoints' / 'step-00000006.pt'}", "hydra.run.dir=b"],
+                 ["trainer.resume=true", "trainer.max_steps=10", "hydra.run.dir=b"],
+                 [f"trainer.resume={tmp_path / 'a' / 'checkpoints'}", "hydra.run.dir=c"]):
+        r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=8", *args)
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+    # The check finds the checkpoint quietly: a damaged latest.json is one warning, the trainer's.
+    (b / "checkpoints" / "latest.json").write_text('{"fi')
+    r = train(f"dataset.path={data}", *TINY_TRAIN, "trainer.max_steps=12", "trainer.resume=true", "hydra.run.dir=b")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("latest.json is damaged") == 1, r.stderr
+
+
 def test_a_failed_start_removes_the_run_directories_it_created_and_nothing_else(tmp_path, train):
     """A start that fails before any output (here: no dataset) left an empty
     outputs/DATE/TIME/ (its lock, .hydra/, an empty app.log) per attempt (issue 28)."""
@@ -767,6 +796,47 @@ def test_a_damaged_latest_json_falls_back_to_the_newest_checkpoint(tmp_path, cap
     with pytest.raises(UserError, match=rf"^{tmp_path / 'empty' / 'latest.json'} is damaged, and "
                                         rf"{tmp_path / 'empty'} holds no other checkpoint \(step-\*\.pt\)$"):
         checkpoint.find_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name", ["../other/step-00000004.pt", "OTHER", "step-00000004.pt"])
+def test_a_latest_json_naming_a_file_out_of_its_directory_is_damaged(tmp_path, capsys, name):
+    """latest.json is a file like any other: one that names another
+    directory's checkpoint ("../other/...", an absolute path) took a resume
+    there; one whose file is not its step's was followed too. Either is
+    damaged: the newest complete checkpoint beside it is used, with a warning."""
+    from recsys_cli import checkpoints as checkpoint
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    for ck, steps in (("ck", 8), ("other", 4)):
+        Trainer(config(tmp_path, optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50,
+                       trainer__max_steps=steps, trainer__checkpoint_dir=str(tmp_path / ck)),
+                run_dir=tmp_path / f"run-{ck}").fit()
+    latest = tmp_path / "ck" / "latest.json"
+    name = str(tmp_path / "other" / "step-00000004.pt") if name == "OTHER" else name
+    latest.write_text(json.dumps({"file": name, "step": 8}))
+    capsys.readouterr()
+    assert checkpoint.find_checkpoint(tmp_path / "ck") == tmp_path / "ck" / "step-00000008.pt"
+    assert capsys.readouterr().err.startswith(f"warning: {latest} is damaged; using the newest complete checkpoint")
+
+
+@pytest.mark.parametrize("best", ['[1]', '{"file": "step-0000001x.pt"}', '{"file": 5}'])
+def test_a_damaged_best_json_is_named_again_on_resume(tmp_path, best):
+    """best.json whose "file" was not a checkpoint's name, or not a mapping,
+    made a keep_best resume fail with a traceback (ValueError: invalid literal
+    for int()); the resume names the best checkpoint again (its loop state knows it)."""
+    from recsys_cli.train.trainer import Trainer
+
+    data = tiny_dataset(tmp_path)
+    ck = tmp_path / "ck"
+    common = dict(optimizer__lr=LR, dataset__path=str(data), trainer__batch_size=50, trainer__checkpoint_every=4,
+                  trainer__eval_every=4, trainer__keep_best=True, trainer__checkpoint_dir=str(ck))
+    Trainer(config(tmp_path, trainer__max_steps=8, **common), run_dir=tmp_path / "run").fit()
+    named = json.loads((ck / "best.json").read_text())
+    (ck / "best.json").write_text(best)
+    resumed = Trainer(config(tmp_path, trainer__max_steps=10, trainer__resume="true", **common), run_dir=tmp_path / "run")
+    assert json.loads((ck / "best.json").read_text()) == named
+    resumed.fit()
 
 
 def test_disk_full_in_metrics_leaves_whole_lines(tmp_path, monkeypatch):

@@ -90,6 +90,29 @@ def test_resume_names_the_damaged_file_and_the_intact_older_checkpoint(run, tmp_
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("record", ['{"format": 2, "files": {"step-00000006.pt": {"bytes": "x"}}}',
+                                    '{"format": 2, "files": {"step-00000006.pt": {"bytes": 10}}}', '{"files": [1'])
+def test_a_damaged_record_is_named_not_a_traceback_or_read_unchecked(run, tmp_path, record):
+    """A record whose entry had no integer size failed with a traceback
+    (ValueError: Cannot specify ',' with 's'.); one that was not JSON let
+    the checkpoint be read unchecked, with a warning that it had no record."""
+    from recsys_cli.train.trainer import Trainer
+
+    src, data = run
+    copy = tmp_path / "run"
+    shutil.copytree(src / "run", copy)
+    ck = copy / "checkpoints"
+    (ck / "step-00000006.files.json").write_text(record)
+    cfg = config(src / "cache", dataset__path=str(data), trainer__max_steps=8, trainer__resume="true",
+                 trainer__checkpoint_dir=str(ck), placement__disk_path=str(tmp_path / "live"), **STEPS)
+    with pytest.raises(UserError) as error:
+        Trainer(cfg, run_dir=copy)
+    assert str(error.value) == (f"checkpoint file {ck / 'step-00000006.files.json'} is damaged: not a readable "
+                                f"record of its checkpoint's files and checksums; the older checkpoint "
+                                f"{ck / 'step-00000003.pt'} is intact: resume from it with "
+                                f"trainer.resume={ck / 'step-00000003.pt'}")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_init_from_names_the_damaged_file(run, tmp_path, kind):
     from recsys_cli.train.trainer import Trainer

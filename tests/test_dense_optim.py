@@ -105,6 +105,18 @@ def test_a_state_dict_of_other_parameters_is_refused():
         DenseAdagrad(parameters(False)[:-1], **ADAGRAD).load_state_dict(saved)
 
 
+def test_another_optimizers_state_is_refused():
+    """SGD keeps no state: loaded into Adagrad it left "step" and "sum"
+    missing, and the first step failed with KeyError: 'step'."""
+    saved = DenseSGD(parameters(False), lr=0.1).state_dict()
+    with pytest.raises(ValueError, match="no 'step' for parameter 0: another optimizer's state"):
+        DenseAdagrad(parameters(False), **ADAGRAD).load_state_dict(saved)
+    saved = DenseAdagrad(parameters(False), **ADAGRAD).state_dict()
+    saved["state"][99] = saved["state"].pop(0)
+    with pytest.raises(ValueError, match="state for parameter 99"):
+        DenseAdagrad(parameters(False), **ADAGRAD).load_state_dict(saved)
+
+
 def test_loaded_state_takes_the_saved_hyperparameters_and_the_parameters_dtype():
     params = parameters(False)
     saved = DenseAdagrad(params, **ADAGRAD).state_dict()

@@ -548,6 +548,7 @@ def test_cli_two_processes_then_a_killed_worker(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["distributed"]["world_size"] == 2 and summary["samples"] == 20 * 256
     assert summary["final"]["val"]["samples"] == 2000
+    assert summary["train_calibration"]["samples"] == 20 * 256  # every rank's slice (it was rank 0's half)
     table = io.StringIO()  # rank 0's own figures say so: a user read them as the run's
     Console(file=table, width=200).print(summary_table(summary))
     assert "embedding bytes: device / host (rank 0)" in table.getvalue()

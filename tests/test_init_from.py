@@ -74,6 +74,48 @@ def test_init_from_errors(days, tmp_path):
                        trainer__resume=str(tmp / "run0"), **base))
 
 
+def test_init_from_another_optimizers_checkpoint_is_refused(days, tmp_path):
+    """An SGD checkpoint has no Adagrad state: init_from into an Adagrad run
+    took it, and the first step failed with a traceback (KeyError: 'step')."""
+    tmp, _ = days
+    base = dict(dataset__path=str(tmp / "day0"), trainer__batch_size=64, trainer__device="cpu")
+    Trainer(config(tmp / "cache", trainer__max_steps=2, trainer__checkpoint_dir=str(tmp_path / "sgd"),
+                   optimizer__name="sgd", **base)).fit()
+    with pytest.raises(UserError, match=r"does not fit optimizer.name=adagrad \(it was trained with optimizer.name=sgd"):
+        Trainer(config(tmp / "cache", trainer__max_steps=2, trainer__init_from=str(tmp_path / "sgd"),
+                       optimizer__name="adagrad", **base))
+
+
+def test_init_from_another_model_names_the_parameter_that_does_not_fit(days):
+    """The one line said only torch's header: "(Error(s) in loading state_dict for DLRM:)"."""
+    tmp, _ = days
+    with pytest.raises(UserError, match=r"its model does not fit this config's \(size mismatch for top\.0\.weight: "
+                                        r"copying a param with shape torch.Size\(\[64, \d+\]\) from checkpoint"):
+        Trainer(config(tmp / "cache", dataset__path=str(tmp / "day1"), trainer__max_steps=2, trainer__batch_size=64,
+                       trainer__device="cpu", optimizer__name="adagrad", model__interaction="cat",
+                       trainer__init_from=str(tmp / "run0")))
+
+
+def test_a_preempted_init_from_run_says_how_to_continue_it(days, tmp_path, monkeypatch):
+    """The preemption line said "continue with trainer.resume=true (same
+    overrides)": the same overrides hold trainer.init_from, and with it the
+    resume was refused ("give one of them")."""
+    from recsys_cli.train.preemption import Preempted
+
+    tmp, _ = days
+    base = dict(dataset__path=str(tmp / "day1"), trainer__max_steps=6, trainer__batch_size=64, trainer__device="cpu",
+                optimizer__name="adagrad")
+    monkeypatch.setattr(Trainer, "sigterm_received", lambda self: self.step >= 2)
+    with pytest.raises(Preempted, match=r"continue with trainer.resume=true \(same overrides but trainer.init_from\)$"):
+        Trainer(config(tmp / "cache", trainer__init_from=str(tmp / "run0"), **base), run_dir=tmp_path / "run").fit()
+    with pytest.raises(UserError, match="continues with trainer.resume alone"):
+        Trainer(config(tmp / "cache", trainer__init_from=str(tmp / "run0"), trainer__resume="true", **base),
+                run_dir=tmp_path / "run")
+    monkeypatch.undo()
+    resumed = Trainer(config(tmp / "cache", trainer__resume="true", **base), run_dir=tmp_path / "run")
+    assert resumed.step == 2
+
+
 def test_resume_returns_the_position_it_restores(days):
     """restore.resume loads the modules it is given and returns where the run
     continues: the trainer's own counters change only when it applies them."""

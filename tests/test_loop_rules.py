@@ -111,6 +111,14 @@ def test_rules_without_validations_to_act_on_are_errors(cache_dir):
         Trainer(config(cache_dir, trainer__max_steps=20, trainer__early_stop_patience=2))
 
 
+def test_eval_every_without_a_val_split_is_an_error(tmp_path):
+    """A dataset without val rows (split_ratios=[1,0,0]): trainer.eval_every was
+    ignored without a word, the run ending with no validation at all."""
+    with pytest.raises(UserError, match=r"^trainer.eval_every=5 validates on the val split, but .* has no val rows"):
+        Trainer(config(tmp_path, trainer__max_steps=20, trainer__eval_every=5, dataset__synthetic__rows=2000,
+                       dataset__synthetic__split_ratios=[1.0, 0.0, 0.0]))
+
+
 # --- drop_last -------------------------------------------------------------------------------
 # 16,000 train rows at batch 96: 166 whole batches and 64 rows left.
 DROP = dict(trainer__batch_size=96, trainer__epochs=2, trainer__max_steps=None, trainer__log_every=50)

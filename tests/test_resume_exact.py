@@ -100,9 +100,17 @@ def check_combination(tmp_path: Path, args: list[str], steps: int, data=SMALL, t
     assert_identical(final_checkpoint(work / "a", steps), final_checkpoint(work / "killed", steps))
     # The resumed run rewinds metrics.jsonl to the checkpoint and goes on: the uninterrupted run's file.
     assert records(work / "resumed") == records(work / "a")
-    summary = lambda run: json.loads((work / run / "summary.json").read_text())["final"]  # noqa: E731
-    assert summary("a") == summary("resumed")
+    assert run_figures(work / "a") == run_figures(work / "resumed")
     return work
+
+
+def run_figures(run: Path) -> dict:
+    """summary.json's figures of the whole run (timing and memory aside): the
+    final metrics, and the counts over every training batch (a resumed run
+    reported its dedup ratios and training-batch CTR over the batches after
+    the resume only)."""
+    summary = json.loads((run / "summary.json").read_text())
+    return {k: summary[k] for k in ("steps", "samples", "final", "duplication", "train_calibration")}
 
 
 SHARDED = ["trainer.nproc=2", "placement.sharding=row", "placement=lookahead", "precision=int8",
@@ -188,6 +196,7 @@ def sigterm_then_resume(work: Path, args: list[str], steps: int) -> int:
     assert not (work / "term" / "summary.json").exists()  # the run did not finish
     recsys([*args, "trainer.resume=true"], work, "term")
     assert_identical(final_checkpoint(work / "a", steps), final_checkpoint(work / "term", steps))
+    assert run_figures(work / "a") == run_figures(work / "term")
     assert records(work / "term") == records(work / "a")
     return stopped
 

@@ -93,6 +93,23 @@ def test_a_damaged_overrides_file_is_one_line_naming_it(tmp_path, monkeypatch):
         with_saved_overrides(["trainer.resume=last", "hydra.run.dir=r1"])
 
 
+def test_a_bad_override_in_the_saved_file_names_the_file(tmp_path, monkeypatch, capsys):
+    """A misspelt key among the resumed run's overrides was 'unknown key' alone:
+    nothing on the command line had it; the line names the file it came from."""
+    from commands import train_in_process
+    from test_bad_input import assert_user_error
+
+    fake_run(tmp_path / "r1", ["trainer.max_stepz=30"])
+    r = train_in_process(["trainer.resume=last", "hydra.run.dir=r1"], cwd=tmp_path, capsys=capsys,
+                         monkeypatch=monkeypatch)
+    assert_user_error(r, "unknown key 'trainer.max_stepz' (in the overrides the resume took from "
+                         f"{tmp_path / 'r1' / '.hydra' / 'overrides.yaml'})")
+    # The command line's own mistake stays the command line's.
+    r = train_in_process(["trainer.resume=last", "hydra.run.dir=r1", "trainer.foo=1"], cwd=tmp_path, capsys=capsys,
+                         monkeypatch=monkeypatch)
+    assert "in the overrides the resume took" not in assert_user_error(r, "bad configuration: unknown key")
+
+
 ARGS = ["dataset.synthetic.rows=4000", "dataset.synthetic.cardinality_scale=0.001", "dataset.synthetic.seed=3",
         "placement=lookahead", "precision=int8", "placement.cache_ratio=0.05", "trainer.batch_size=64",
         "trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.log_every=10", "trainer.progress=false"]

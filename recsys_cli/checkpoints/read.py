@@ -17,10 +17,11 @@ rows.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from recsys_cli import safe_load
-from recsys_cli.checkpoints.layout import BEST, LATEST, is_sharded
+from recsys_cli.checkpoints.layout import BEST, LATEST, is_sharded, step_file
 from recsys_cli.checkpoints.reshard import assemble_tables
 from recsys_cli.checkpoints.verify import checked_shard_dir, verify_checkpoint_file
 from recsys_cli.embeddings.disk_checkpoint import is_disk_table
@@ -30,10 +31,13 @@ from recsys_cli.errors import UserError, warn
 
 def read_latest(directory: Path) -> dict | None:
     """latest.json's record ({"file", "step"}); None when it is missing or
-    damaged (not JSON, or without the keys)."""
+    damaged (not JSON, without the keys, or naming another file than its
+    step's checkpoint beside it: "../../other-run/checkpoints/step-N.pt", or
+    an absolute path, took a resume out of the directory to whatever it named)."""
     try:
         record = json.loads((Path(directory) / LATEST).read_text())
-        if isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("step"), int):
+        if isinstance(record, dict) and type(record.get("step")) is int and record.get("file") == step_file(
+                record["step"]):
             return record
     except (OSError, ValueError, UnicodeDecodeError):
         pass
@@ -57,9 +61,11 @@ def best_file(directory: Path | None) -> str | None:
     if path is None or not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["file"]
-    except (ValueError, KeyError):
+        name = json.loads(path.read_text()).get("file")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return None
+    # a damaged best.json (another file, not a name: '[1]', 'step-0000001x.pt') was a traceback on resume
+    return name if isinstance(name, str) and re.fullmatch(r"step-\d{8}\.pt", name) else None
 
 
 def best_step(directory: Path) -> int | None:

@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from recsys_cli.checksum import ALGORITHM, OLDER
+
 FORMAT = 2
 
 
@@ -41,13 +43,23 @@ def write_record(checkpoint: Path, files: dict[str, dict]) -> Path:
 
 def read_record(checkpoint: Path) -> dict[str, dict | None] | None:
     """name -> {bytes, xxh3_64 (crc32 in older records)} (None for a file an old record names without a
-    checksum); None when the checkpoint has no readable record."""
+    checksum); None when the checkpoint has no readable record (missing, or not a record's JSON: an
+    entry without an integer size and a hex digest made the reader fail with a traceback)."""
     try:
         data = json.loads(record_path(checkpoint).read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     if isinstance(data, list):  # before checksums: disk-file names only
         return {str(name): None for name in data}
-    if isinstance(data, dict) and isinstance(data.get("files"), dict):
+    if isinstance(data, dict) and isinstance(data.get("files"), dict) and all(
+            isinstance(name, str) and _is_entry(entry) for name, entry in data["files"].items()):
         return data["files"]
     return None
+
+
+def _is_entry(entry: object) -> bool:
+    """Whether a record's entry is a file's {"bytes": size, ALGORITHM (or an older one): hex digest}."""
+    if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
+        return False
+    digests = [entry[a] for a in (ALGORITHM, *OLDER) if a in entry]
+    return bool(digests) and all(isinstance(d, str) for d in digests)

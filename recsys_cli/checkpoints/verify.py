@@ -47,6 +47,8 @@ def verify_checkpoint_file(path: Path) -> None:
     with a warning."""
     path = Path(path)
     files = read_record(path)
+    if files is None and record_path(path).is_file():  # a record, but not one: damaged, or not recsys's
+        raise DamagedFile(record_path(path), "not a readable record of its checkpoint's files and checksums")
     expected = files.get(path.name) if files is not None else None
     if expected is None:
         if path.is_file():

@@ -55,14 +55,34 @@ def train_main(cfg: DictConfig) -> float | None:
             locks.enter_context(rundir.locked(run_dir))
             if cfg.trainer.checkpoint_dir and os.environ.get("RANK", "0") == "0":
                 locks.enter_context(rundir.locked(Path(cfg.trainer.checkpoint_dir), "checkpoint directory"))
+            checkpoint_dir = Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None
             if not cfg.trainer.resume:  # a new run: never over another run's metrics and checkpoints
-                rundir.refuse_reuse(run_dir, Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None)
+                rundir.refuse_reuse(run_dir, checkpoint_dir)
+            else:  # a resume: in its own run's directory, or in one that holds no other run
+                resumed = _resumed_checkpoint(cfg.trainer.resume, checkpoint_dir, run_dir)
+                if resumed is not None:
+                    rundir.refuse_resume_into_another_run(run_dir, checkpoint_dir, resumed)
             return _train(cfg, run_dir, record)
     except UserError as e:
         rundir.remove_unused(created)  # after the lock is released
         fail(str(e))
     except Preempted as e:  # one process; ranks report their own (distributed_app)
         say_preempted(str(e))
+
+
+def _resumed_checkpoint(resume: str, checkpoint_dir: Path | None, run_dir: Path) -> Path | None:
+    """The checkpoint trainer.resume names, as the trainer finds it (None:
+    none is found; the trainer says why). Quietly: the trainer finds it
+    again and warns once (a damaged latest.json) where it loads it."""
+    import io
+
+    from recsys_cli.train import restore
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return restore.locate_resume(resume, checkpoint_dir or run_dir / "checkpoints", run_dir)
+    except UserError:
+        return None
 
 
 def hydra_files(cfg: DictConfig) -> dict[str, str]:
@@ -215,6 +235,19 @@ def train_config(overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
+def _naming_saved_overrides(error: UserError, restored) -> UserError:
+    """A resume's configuration error that the overrides it took from the
+    resumed run cause (the command line alone composes) names the file they
+    came from: 'unknown key' alone did not say it was in .hydra/overrides.yaml."""
+    if restored.source is None or not restored.taken:
+        return error
+    try:
+        check_overrides(restored.overrides[len(restored.taken):])
+    except UserError:
+        return error  # the command line's own
+    return UserError(f"{error} (in the overrides the resume took from {restored.source})")
+
+
 def check_places(overrides: list[str], cfg: DictConfig | None) -> None:
     """Before Hydra makes the run directory (a read-only one was Hydra's
     traceback): the run (or sweep) directory and the checkpoint directory can
@@ -315,7 +348,10 @@ def run_train_app(overrides: list[str]) -> None:
     restored = with_saved_overrides(overrides, check_overrides)  # trainer.resume: the resumed run's overrides first
     say_restored(restored)
     overrides = restored.overrides
-    cfg = check_overrides(overrides)
+    try:
+        cfg = check_overrides(overrides)
+    except UserError as e:
+        raise _naming_saved_overrides(e, restored) from None
     check_places(overrides, cfg)
     app = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(train_main)
     global _output_subdir

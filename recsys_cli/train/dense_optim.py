@@ -82,7 +82,9 @@ class DenseOptimizer(abc.ABC):
         """As torch.optim.Optimizer.load_state_dict: the saved
         hyperparameters replace these, tensors move to their parameter's
         device (and floating dtype; "step" stays as saved); ValueError when
-        the groups do not match."""
+        the groups do not match, or when the saved state lacks a tensor this
+        optimizer keeps (another optimizer's: SGD's empty state loaded into
+        Adagrad failed at the first step with KeyError: 'step')."""
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -92,10 +94,17 @@ class DenseOptimizer(abc.ABC):
         by_id = dict(zip(saved_groups[0]["params"], self.params))
         state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for key, values in state_dict["state"].items():
+            if key not in by_id:
+                raise ValueError(f"loaded state dict has state for parameter {key!r}, which its group does not list")
             p = by_id[key]
             state[p] = {name: value if name == "step" or not isinstance(value, torch.Tensor) else
                         value.to(device=p.device, dtype=p.dtype if p.is_floating_point() else None)
                         for name, value in values.items()}
+        for i, p in enumerate(self.params):
+            missing = sorted(set(self.state.get(p, {})) - set(state.get(p, {})))
+            if missing:
+                raise ValueError(f"loaded state dict has no {missing[0]!r} for parameter {i}: "
+                                 f"another optimizer's state")
         saved_groups[0]["params"] = self.params
         self.param_groups, self.state = saved_groups, state
 

@@ -45,6 +45,8 @@ class Resumed:
     running_steps: int
     loop: dict | None = None  # the loop rules' state (loop_control.py); None: a checkpoint older than them
     strategy: dict | None = None  # the saving run's Strategy.state_dict() (None: a checkpoint older than that)
+    # every saving rank's training-batch counts (Trainer.counts_per_rank; None: a checkpoint older than them)
+    train_counts: list | None = None
 
 
 class Tables(Protocol):
@@ -118,7 +120,7 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
         into.model.load_state_dict(state["model"])
         into.dense_optimizer.load_state_dict(state["dense_optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:  # a checkpoint of another model that the config check missed
-        raise UserError(f"checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
+        raise UserError(f"checkpoint {path} does not fit this model: {_first_problem(e)}") from None
     # A table whose cache comes back exactly is loaded as saved, its dirty
     # rows' stale values included (they stay in the cache, and nothing reads
     # the store's copy of a resident row): the store then equals the
@@ -132,7 +134,17 @@ def _resume(path: Path, cfg, data: TrainingData, into: Restorable) -> Resumed:
     loss, steps = state["running_loss"] if "metrics" in state else (None, 0)
     return Resumed(path, state["step"], state["epoch"], state["batch_in_epoch"], state["samples"],
                    state.get("metrics"), loss, steps, state.get("loop"),
-                   state.get("strategy") or _older_strategy_state(state))
+                   state.get("strategy") or _older_strategy_state(state), state.get("train_counts"))
+
+
+def _first_problem(e: BaseException) -> str:
+    """The first problem torch's load_state_dict names: its message's first
+    line is only the header "Error(s) in loading state_dict for DLRM:", which
+    was all the one-line error said."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        return lines[1].split("\t")[0].rstrip(".")
+    return lines[0] if lines else type(e).__name__
 
 
 def _older_strategy_state(state: dict) -> dict | None:
@@ -169,14 +181,17 @@ def init_from(location: str, cfg, data: TrainingData, into: Restorable) -> tuple
         into.model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise UserError(f"trainer.init_from={path}: its model does not fit this config's "
-                        f"({str(e).splitlines()[0]})") from None
+                        f"({_first_problem(e)})") from None
     optimizer = into.dense_optimizer
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(state["dense_optimizer"])
     except ValueError as e:
+        saved = state.get("config")
+        was = saved.get("optimizer", {}).get("name") if isinstance(saved, dict) else None
+        trained = f"it was trained with optimizer.name={was}: " if was else ""
         raise UserError(f"trainer.init_from={path}: its optimizer state does not fit optimizer."
-                        f"name={cfg.optimizer.name} ({e})") from None
+                        f"name={cfg.optimizer.name} ({trained}{e})") from None
     for group, h in zip(optimizer.param_groups, hyper):
         group.update(h)
     into.embeddings.load_table_state(state["tables"])

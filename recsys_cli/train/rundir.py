@@ -61,6 +61,25 @@ def refuse_reuse(run_dir: Path, checkpoint_dir: Path | None) -> None:
                     "(hydra.run.dir=DIR); nothing was changed")
 
 
+def refuse_resume_into_another_run(run_dir: Path, checkpoint_dir: Path | None, checkpoint: Path) -> None:
+    """A resume writes its run's metrics.jsonl, summary.json and checkpoints
+    into `run_dir`: in place when `checkpoint` is that run's own (in its
+    checkpoint directory), else into a directory that holds no other run.
+    trainer.resume=OTHER_RUN's checkpoint with hydra.run.dir=A_FINISHED_RUN
+    replaced that run's metrics, summary and its checkpoint of the same step
+    without a word; it is a UserError naming both, and nothing is changed."""
+    own = (checkpoint_dir or run_dir / "checkpoints").resolve()
+    if checkpoint.resolve().parent == own:
+        return
+    try:
+        refuse_reuse(run_dir, checkpoint_dir)
+    except UserError as e:
+        what = str(e).split(": resume it with", 1)[0]
+        raise UserError(f"{what}, and a resume of {checkpoint}, another run's checkpoint, would replace them: "
+                        "resume it into a new run directory (leave hydra.run.dir out, or name an unused one); "
+                        "nothing was changed") from None
+
+
 # What a start writes before the run has any output of its own: the lock, the
 # composed config, Hydra's job log (empty until the first log line) and an
 # empty metrics.jsonl.

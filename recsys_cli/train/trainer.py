@@ -191,7 +191,8 @@ class Trainer:
         self.train_ctr_samples = 0
         if tc.resume and tc.init_from:
             raise UserError("trainer.resume continues a run, trainer.init_from starts a new one from a checkpoint: "
-                            "give one of them")
+                            "give one of them (a run that started from trainer.init_from continues with "
+                            "trainer.resume alone: its checkpoints hold what it started from)")
         saved_strategy = None
         if tc.resume:
             saved_strategy = self.resume(tc.resume)
@@ -332,8 +333,10 @@ class Trainer:
             with self.throughput.paused("checkpoint"):
                 self.save()
         path = self.checkpoint_dir / f"step-{self.step:08d}.pt"
+        # a run started with trainer.init_from: repeating it beside trainer.resume is refused (__init__)
+        same = "same overrides but trainer.init_from" if self.cfg.trainer.init_from else "same overrides"
         raise Preempted(f"SIGTERM: stopped after step {self.step} of {self.total_steps} and saved {path}; "
-                        "continue with trainer.resume=true (same overrides)")
+                        f"continue with trainer.resume=true ({same})")
 
     def step_record(self, loss: float, rate: float) -> dict:
         """What a log line says: loss, speed, the cache's hit rate so far, and the seconds spent per phase."""
@@ -427,10 +430,46 @@ class Trainer:
             "lookups_saved_by_dedup": ratio(looked_up.sum(), batch_ids.sum()),
         }
 
+    def counts_per_rank(self) -> list[dict]:
+        """Every rank's counts over the training batches so far (its id counts
+        and its predicted, clicked and samples sums), in rank order: what
+        duplication() and train_calibration() report, kept in a checkpoint so
+        that a resumed run reports what the uninterrupted one does (it
+        reported the batches after the resume only). Every rank calls it."""
+        ctr = torch.cat([self.train_ctr.cpu(), torch.tensor([float(self.train_ctr_samples)], dtype=torch.float64)])
+        ids = self.strategy.per_rank(self.id_counts.flatten())
+        ctrs = self.strategy.per_rank(ctr)
+        return [{"id_counts": i.cpu().view(self.id_counts.shape), "train_ctr": c.cpu()} for i, c in zip(ids, ctrs)]
+
+    def restore_counts(self, saved: list, path: Path) -> None:
+        """This rank's counts from a checkpoint's counts_per_rank: its own
+        when as many ranks saved it, else (another process count) rank 0
+        takes their sum and the others start from zero."""
+        try:
+            if len(saved) == self.dist.world_size:
+                mine = saved[self.dist.rank]
+                ids, ctr = mine["id_counts"], mine["train_ctr"]
+            else:
+                ids = sum((s["id_counts"] for s in saved), torch.zeros_like(self.id_counts))
+                ctr = sum((s["train_ctr"] for s in saved), torch.zeros(3, dtype=torch.float64))
+                if self.dist.rank != 0:
+                    ids, ctr = torch.zeros_like(ids), torch.zeros_like(ctr)
+            if ids.shape != self.id_counts.shape or ctr.shape != (3,):
+                raise ValueError(f"shapes {tuple(ids.shape)} and {tuple(ctr.shape)}")
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise UserError(f"checkpoint {path}: its train_counts do not fit this run ({e})") from None
+        self.id_counts = ids.to(self.id_counts.dtype).clone()
+        self.train_ctr = ctr[:2].to(self.train_ctr.device, torch.float64).clone()
+        self.train_ctr_samples = int(ctr[2])
+
     def train_calibration(self) -> dict:
         """Mean predicted CTR beside the observed CTR of the training batches
-        this process trained on (predictions made before each update)."""
-        (predicted, clicks), samples = self.train_ctr.tolist(), self.train_ctr_samples
+        (predictions made before each update), every rank's slice of them
+        (every rank calls it)."""
+        ctr = torch.cat([self.train_ctr.cpu(), torch.tensor([float(self.train_ctr_samples)], dtype=torch.float64)])
+        total = functools.reduce(torch.add, [c.cpu() for c in self.strategy.per_rank(ctr)])  # in rank order
+        predicted, clicks, count = total.tolist()
+        samples = int(count)
         return {"predicted_ctr": predicted / samples if samples else None,
                 "observed_ctr": clicks / samples if samples else None, "samples": int(samples)}
 
@@ -483,6 +522,9 @@ class Trainer:
                                  ("stop_at_auc", tc.stop_at_auc)) if on]
         if rules and "val" not in self.eval_loaders:
             raise UserError(f"trainer.{rules[0]} decides on validations, but {self.data.directory} has no val rows")
+        if tc.eval_every and "val" not in self.eval_loaders:  # it was ignored without a word
+            raise UserError(f"trainer.eval_every={tc.eval_every} validates on the val split, but "
+                            f"{self.data.directory} has no val rows: leave trainer.eval_every unset")
         stops = [r for r in rules if r != "keep_best"]
         if stops and not tc.eval_every and not (tc.eval_each_epoch and tc.epochs > 1):
             raise UserError(f"trainer.{stops[0]} stops on a validation during the run: set trainer.eval_every=N "
@@ -574,9 +616,10 @@ class Trainer:
         if directory is None:
             return None
         self.saved_step = self.step
+        counts = self.counts_per_rank()  # every rank's (a small all-gather): rank 0 writes them
         # Distributed: rank 0 writes (every rank restores), the others wait for it.
-        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(directory, self.step, self.state_dict(),
-                                                                      keep=self.cfg.trainer.keep_last),
+        path = self.strategy.checkpoint(lambda: ckpt.save_checkpoint(
+            directory, self.step, {**self.state_dict(), "train_counts": counts}, keep=self.cfg.trainer.keep_last),
                                         directory, self.step)
         return_free_memory()  # the save's buffers, as after an evaluation
         return path
@@ -595,6 +638,8 @@ class Trainer:
             self.log.restore(at.metrics)
         if at.running_loss is not None:  # saved with the metrics
             self.running_loss, self.running_steps = at.running_loss.to(self.device), at.running_steps
+        if at.train_counts is not None:
+            self.restore_counts(at.train_counts, path)
         self.saved_step = self.step
         if self.console is not None:
             say(self.console, f"resumed from {path} at step {self.step}{_mode_change(at.strategy, self.cfg, self.dist)}")

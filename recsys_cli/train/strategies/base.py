@@ -111,6 +111,10 @@ class Strategy(abc.ABC):
         """The run's id counts ([3, F]: batch ids, looked up, distinct) from this rank's."""
         return counts
 
+    def per_rank(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (a small one), in rank order (every rank calls it)."""
+        return [tensor]
+
     def sharding(self) -> dict | None:
         """The summary's "sharding" entry: the shard plan (None: tables replicated)."""
         return None

@@ -98,6 +98,9 @@ class DataParallel(Strategy):
         checkpoint_barrier()
         return path
 
+    def per_rank(self, tensor):
+        return all_gather_varlen(tensor, self.ctx.group)
+
     def report(self):
         """Every rank calls it (a small all-gather: each rank's peak RSS)."""
         peaks = all_gather_varlen(torch.tensor([peak_rss_bytes()], dtype=torch.int64), self.ctx.group)

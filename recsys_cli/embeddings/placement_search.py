@@ -198,6 +198,7 @@ def place_tables(
     # whose blocks (a tensor over 1 MiB may keep 1 MiB more) still exceed the
     # budget is made again with that much more reserved (never more than the
     # bound for large tensors, with which every placement fits), until it fits.
+    # Counted on a CPU too: one budget then places the tables alike on both.
     reserve, most = allocator_reserve(state), allocator_reserve(state, large=True)
     for attempt in range(8):
         placements: dict[str, str] = {}
@@ -218,7 +219,8 @@ def place_tables(
                     f"{budget_key}={format_bytes(budget_bytes)} ({budget_bytes:,} bytes) is too small: the tables "
                     f"need {format_bytes(total_full)} and even caches that hold one batch's unique rows of every "
                     f"table need {format_bytes(min_needed + reserve)} ({min_needed + reserve:,} bytes, of which "
-                    f"{reserve:,} for the CUDA allocator's rounding; the largest, {worst.name}, "
+                    f"{reserve:,} for the CUDA allocator's rounding, counted on a CPU too so that both place "
+                    f"alike; the largest, {worst.name}, "
                     f"{minimum[worst.name]:,} rows x {row_b[worst.name]} B); raise the budget or lower "
                     "trainer.batch_size"
                 )

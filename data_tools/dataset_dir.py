@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST_NAME, is_inside
+from data_tools.stale import remove_dead
 
 
 # --------------------------------------------------------------------------- atomic directory
@@ -30,33 +32,9 @@ def is_dataset_dir(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temps(output: Path) -> None:
-    """Remove `<output>.tmp-<pid>` / `.old-<pid>` left by killed runs (dead pids only)."""
-    parent = output.parent
-    if not parent.is_dir():
-        return
-    for marker in (".tmp-", ".old-"):
-        for p in parent.glob(glob_escape(output.name) + marker + "*"):
-            suffix = p.name[len(output.name) + len(marker):]
-            pid = suffix.split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
+    """Remove `<output>.tmp-<pid>` / `.old-<pid>` directories left by killed runs (dead pids only)."""
+    remove_dead(output.parent, re.escape(output.name) + r"\.(?:tmp|old)-([0-9]+)(?:-.*)?")
 
 
 def check_output(output: Path) -> None:

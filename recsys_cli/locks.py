@@ -84,20 +84,11 @@ def remove_stale_temps(output: Path) -> None:
     output's lock held, so no other recsys writer of this output is running;
     a temp of a live pid is still left alone (a writer of another kind that
     names its temps alike, e.g. a checkpoint being saved where output= points)."""
-    import glob
-    import shutil
+    import re
 
-    from data_tools.dataset_dir import pid_alive
+    from data_tools.stale import remove_dead
 
-    prefix = f".{output.name}.tmp-"
-    for p in output.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    p.unlink()
+    remove_dead(output.parent, r"\." + re.escape(output.name) + r"\.tmp-([0-9]+)", files=True)
 
 
 def holder_of(lock_file: Path) -> str:

@@ -459,6 +459,61 @@ def test_the_launcher_config_names_the_loopback_address_only():
     assert distributed.loopback_interface() == "lo"  # Linux, as this suite runs
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended (started, waited for and reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_launch_removes_the_scratch_directories_of_killed_launchers_and_followers(tmp_path):
+    """A launcher or torchrun follower killed with SIGKILL leaves its scratch
+    directory in the temp dir; the next one removes it (dead pids only), and
+    keeps a live process's, names it does not make and what a symlink points to."""
+    dead, live = dead_pid(), os.getppid()
+    for name in [f"recsys-launch-{dead}-abc", f"recsys-rank1-{dead}-x_1"]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "started-0").write_text("1")
+    kept = [f"recsys-launch-{live}-abc", f"recsys-rank3-{live}-xyz",  # live processes'
+            "recsys-launch-abcd1234", f"recsys-other-{dead}-abc", f"recsys-launch-{dead}",  # not names it makes
+            f"launch-{dead}-abc"]
+    for name in kept:
+        (tmp_path / name).mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("a user's")
+    (tmp_path / f"recsys-launch-{dead}-link").symlink_to(outside, target_is_directory=True)
+
+    made = Path(distributed.scratch_dir("launch", str(tmp_path)))
+    assert made.parent == tmp_path and made.name.startswith(f"recsys-launch-{os.getpid()}-") and made.is_dir()
+    assert (outside / "keep.txt").read_text() == "a user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*kept, "outside", f"recsys-launch-{dead}-link", made.name])
+
+    # a follower's scratch directory is named alike, and a later one removes it once its process is gone
+    (tmp_path / f"recsys-rank2-{dead}-q").mkdir()
+    made2 = Path(distributed.scratch_dir("rank1", str(tmp_path)))
+    assert made2.name.startswith(f"recsys-rank1-{os.getpid()}-") and made.is_dir()
+    assert not (tmp_path / f"recsys-rank2-{dead}-q").exists()
+
+
+def test_a_torchrun_follower_composes_in_a_scratch_directory_named_by_its_pid(tmp_path, monkeypatch):
+    """follower_overrides: the scratch Hydra directory carries the follower's
+    pid, and a killed follower's is removed by the next."""
+    import tempfile
+
+    dead = dead_pid()
+    (tmp_path / f"recsys-rank1-{dead}-abc").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    overrides = distributed.follower_overrides(["trainer.max_steps=1", "hydra.run.dir=elsewhere"])
+    (scratch,) = tmp_path.iterdir()
+    assert scratch.name.startswith(f"recsys-rank1-{os.getpid()}-")
+    assert overrides == ["trainer.max_steps=1", f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}",
+                         "hydra.output_subdir=null"]
+
+
 @pytest.mark.slow  # several processes
 def test_a_launch_listens_on_the_loopback_address_only(runs):
     """torch.distributed has no authentication (issue 40 item 8): every

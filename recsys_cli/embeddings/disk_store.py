@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -599,18 +600,16 @@ class _TimedLock:
 
 def _remove_orphans(parent: str) -> None:
     """Delete live-table directories whose process is gone (killed runs
-    cannot clean up after themselves); only directories this tool made."""
-    for name in os.listdir(parent):
-        path = os.path.join(parent, name)
-        if not name.startswith(DIR_PREFIX) or not os.path.isfile(os.path.join(path, OWNER)):
-            continue
-        try:
-            pid = int(open(os.path.join(path, OWNER)).read().strip())
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            _remove(path)
-        except (ValueError, OSError):
-            pass  # unreadable, or alive under another user: not ours to judge
+    cannot clean up after themselves); only directories this tool made, the
+    pid their OWNER file names (data_tools/stale.py)."""
+    from pathlib import Path
+
+    from data_tools.stale import remove_dead
+
+    def owner(path: Path) -> int:
+        return int((path / OWNER).read_text().strip())
+
+    remove_dead(parent, re.escape(DIR_PREFIX) + ".*", pid_of=owner)
 
 
 def _remove(directory: str) -> None:

@@ -87,6 +87,11 @@ OPTIONAL_LAUNCH_FIELDS: dict[str, Any] = {"shutdown_timeout": PREEMPTION_WAIT_S}
 # it waiting without bound, issue 40 problem 7).
 TEARDOWN_WAIT_S = 60.0
 MARKS_ENV = "RECSYS_LAUNCH_MARKS"  # the directory where `launch`'s workers say they started and trained
+# The scratch directories this module makes in the temp dir: `launch`'s marks
+# (recsys-launch-<pid>-XXXX) and a torchrun follower's Hydra directory
+# (recsys-rank<R>-<pid>-XXXX). Each is removed when its process ends; a process
+# killed with SIGKILL cannot, so `scratch_dir` removes those of dead pids first.
+SCRATCH_NAMES = r"recsys-(?:launch|rank[0-9]+)-([0-9]+)-.*"
 
 
 @dataclass
@@ -600,7 +605,7 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(nproc, monitor_interval)
-    marks = Path(tempfile.mkdtemp(prefix="recsys-launch-"))
+    marks = Path(scratch_dir("launch"))
     watch = _TeardownWatch(marks, teardown_s)
     # The agent logs every failure with its traceback; WorkerFailed carries both.
     # (and its warning that it passes a SIGTERM on: rank 0 says where the run stopped).
@@ -633,6 +638,18 @@ def launch(entrypoint: Callable, nproc: int, *args: Any, monitor_interval: float
                 os.environ[k] = v
 
 
+def scratch_dir(kind: str, parent: str | None = None) -> str:
+    """A new directory `recsys-<kind>-<pid>-XXXX` in `parent` (the temp dir),
+    made after removing the scratch directories of dead processes there
+    (SCRATCH_NAMES; only the current user's, never through a symlink:
+    data_tools/stale.py)."""
+    from data_tools.stale import remove_dead
+
+    parent = parent or tempfile.gettempdir()
+    remove_dead(parent, SCRATCH_NAMES)
+    return tempfile.mkdtemp(prefix=f"recsys-{kind}-{os.getpid()}-", dir=parent)
+
+
 # --- Hydra runs under torchrun -------------------------------------------------------------
 
 
@@ -641,7 +658,7 @@ def follower_overrides(overrides: list[str]) -> list[str]:
     directory (removed at exit), so that only rank 0's run directory exists."""
     if os.environ.get("RANK", "0") == "0" or not launched_by_agent():
         return overrides
-    scratch = tempfile.mkdtemp(prefix=f"recsys-rank{os.environ['RANK']}-")
+    scratch = scratch_dir(f"rank{os.environ['RANK']}")
     import atexit
 
     atexit.register(shutil.rmtree, scratch, True)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -789,18 +790,21 @@ def check(args, passthrough: list[str]) -> int:
         print("gpu-check needs a CUDA device; none is available (it has not run; `--dry` runs it on CPU)",
               file=sys.stderr)
         return EXIT_NO_CUDA
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(args.cache_dir or os.environ.get("RECSYS_CACHE") or tempfile.mkdtemp(prefix="recsys-gpu-check-"))
-    # The stages' logs, results and trace: apart from the report, which is a few files (write_report).
-    work_dir = Path(args.work or tempfile.mkdtemp(prefix="recsys-gpu-check-work-"))
-    work_dir.mkdir(parents=True, exist_ok=True)
-    passthrough = [*passthrough, "--work", str(work_dir)]
     names = stage_names()
     chosen = names if not args.stages else [n.strip() for n in args.stages.split(",")]
     unknown = [n for n in chosen if n not in names]
     if unknown:
         print(f"--stages: unknown stage(s) {', '.join(unknown)}; the stages are: {', '.join(names)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    out_dir.mkdir(parents=True, exist_ok=True)
+    given_cache = args.cache_dir or os.environ.get("RECSYS_CACHE")
+    # The generated datasets: a folder of the check's own is removed at the end (nothing in it outlives the check).
+    cache_dir = Path(given_cache or tempfile.mkdtemp(prefix="recsys-gpu-check-"))
+    # The stages' logs, results and trace: apart from the report, which is a few files (write_report).
+    # Kept: the trace stays here, on the box (--keep-trace puts it in the report).
+    work_dir = Path(args.work or tempfile.mkdtemp(prefix="recsys-gpu-check-work-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    passthrough = [*passthrough, "--work", str(work_dir)]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": None, "torch": torch.__version__,
               "python": sys.executable, "dry": args.dry, "args": vars(args), "work_dir": str(work_dir),
               "launch_config_fields": launch_config_fields(), "stages": [], "ok": False}
@@ -821,6 +825,8 @@ def check(args, passthrough: list[str]) -> int:
     code = EXIT_CRASHED if report.get("error") else (0 if report["ok"] else EXIT_FAILED)
     report["exit_code"] = code
     write_report(report, out_dir, work_dir, args.keep_trace)
+    if not given_cache:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     print(markdown(report))
     return code
 

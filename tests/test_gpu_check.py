@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_every_stage_but_tests_passes_the_dry_check(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     out = tmp_path / "report"
     args = gpu_check.parse_args(["--dry", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
-                                 "--stages", ",".join(stages)])
+                                 "--work", str(tmp_path / "work"), "--stages", ",".join(stages)])
     try:
         code = gpu_check.check(args, ["--out", args.out, "--dry"])
     finally:
@@ -109,7 +110,7 @@ def test_a_crashed_or_hung_stage_is_recorded_and_the_next_still_runs(tmp_path, m
     not_a_dir.write_text("")
     monkeypatch.setitem(gpu_check.TIMEOUTS, "data", 1)  # importing torch alone takes longer: killed
     args = gpu_check.parse_args(["--dry", "--out", str(tmp_path / "out"), "--cache-dir", str(not_a_dir),
-                                 "--stages", "data,exact"])
+                                 "--work", str(tmp_path / "work"), "--stages", "data,exact"])
     code = gpu_check.check(args, ["--out", args.out, "--dry"])
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     data, exact = report["stages"]
@@ -129,17 +130,26 @@ def test_a_crash_of_the_check_itself_keeps_the_stages_done(tmp_path, monkeypatch
         return {"name": stage, "status": "passed", "ok": True, "seconds": 1.0, "timeout_s": 5, "details": {}}
 
     monkeypatch.setattr(gpu_check, "run_stage", run_stage)
+    monkeypatch.delenv("RECSYS_CACHE", raising=False)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the check makes its own folders
     args = gpu_check.parse_args(["--dry", "--out", str(tmp_path), "--stages", "data,exact,overlap"])
     assert gpu_check.check(args, []) == gpu_check.EXIT_CRASHED
+    # its generated-data folder is gone; its work folder (logs, the trace) stays, as the report says
+    (work,) = temp.iterdir()
+    assert work.name.startswith("recsys-gpu-check-work-")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [st["name"] for st in report["stages"]] == ["data"] and report["error"] == "OSError: disk full"
     assert "INCOMPLETE" in (tmp_path / "gpu_check.md").read_text() and calls == ["data", "exact"]
 
 
-def test_unknown_stages_are_bad_input(tmp_path, capsys):
-    args = gpu_check.parse_args(["--dry", "--out", str(tmp_path), "--stages", "exact,speed"])
+def test_unknown_stages_are_bad_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = gpu_check.parse_args(["--dry", "--out", str(tmp_path / "out"), "--stages", "exact,speed"])
     assert gpu_check.check(args, []) == gpu_check.EXIT_BAD_INPUT
     assert "unknown stage(s) speed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # refused before it made any folder
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

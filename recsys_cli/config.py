@@ -187,7 +187,8 @@ class PlacementConfig:
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
     device_max_rows: Optional[int] = None
-    # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB").
+    # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB"); with
+    # placement.sharding over several processes, the most one rank's shards may take.
     device_memory_budget: Optional[str] = None
     # disk: the directory of the tables' files (a fresh subdirectory, deleted
     # at exit; unset: the system's temporary directory), and the host cache of

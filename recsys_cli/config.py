@@ -14,6 +14,7 @@ without the schema.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -186,7 +187,8 @@ class PlacementConfig:
     overrides: dict[str, str] = field(default_factory=dict)
     # Tables with at most this many rows stay on the device whatever `kind` says.
     device_max_rows: Optional[int] = None
-    # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB").
+    # auto: bytes of device memory the embeddings may use ("64MiB", "2GiB"); with
+    # placement.sharding over several processes, the most one rank's shards may take.
     device_memory_budget: Optional[str] = None
     # disk: the directory of the tables' files (a fresh subdirectory, deleted
     # at exit; unset: the system's temporary directory), and the host cache of
@@ -495,6 +497,138 @@ def validate(cfg: Any) -> None:
             raise UserError(cache_avg_low_precision(cfg.precision.kind))
         if not {cfg.placement.kind, *cfg.placement.overrides.values()} & set(CACHED_PLACEMENTS):
             raise UserError(cache_avg_without_cache(cfg.placement.kind))
+
+
+# Options that the rest of the config makes meaningless are said in a note
+# each at start-up (the trainer prints them, rank 0 alone), not refused: a
+# resumed run re-applies its saved overrides (train/resume_overrides.py) and
+# may legitimately change placement.kind or trainer.nproc
+# (docs/how-to/checkpoints.md), which leaves some of them without use; a note
+# keeps that resume going and still tells a user who set one by hand that it
+# did nothing. A rule speaks only when the option is set away from the
+# schema's default and surely has no effect; where the tables' placements are
+# known only later (placement=auto's search) it says nothing.
+CACHED_KINDS = ("lookahead", "cache", "disk")  # placements with a placement cache (placement.cache_rows ...)
+
+
+def no_effect_notes(cfg: Any, processes: int | None = None) -> list[str]:
+    """One line per option of `cfg` set away from its default that has no
+    effect with the rest of the config, e.g. `note: placement.cache_rows=1000
+    has no effect with placement=device (only cache, lookahead and disk use
+    it)`. `processes`: the processes that train (default: trainer.nproc; under
+    torchrun the group's size)."""
+    pl, pr, opt, tc, model, data = cfg.placement, cfg.precision, cfg.optimizer, cfg.trainer, cfg.model, cfg.dataset
+    procs = int(tc.nproc if processes is None else processes)
+    auto = pl.kind == "auto"
+    kinds = {"device" if pl.kind == "gpu" else str(pl.kind)}  # the placements a table can get
+    if not auto:  # auto: the search places every table (overrides and device_max_rows aside)
+        kinds |= {"device" if k == "gpu" else str(k) for k in pl.overrides.values()}
+        if pl.device_max_rows is not None:
+            kinds.add("device")
+    placed = f"placement={pl.kind}" + (" and its overrides" if pl.overrides and not auto else "")
+    one = "one process" + (" (trainer.nproc=1)" if tc.nproc == 1 else "")
+    no_cache = ("with placement=auto (its search sizes every cache)" if auto else
+                f"with {placed} (only cache, lookahead and disk use it)" if not kinds & set(CACHED_KINDS) else None)
+    on_disk = "disk" in kinds or (auto and bool(pl.host_memory_budget))
+    no_disk = None if on_disk else (
+        "with placement=auto without placement.host_memory_budget (only then it puts tables on disk)" if auto
+        else f"with {placed} (only disk uses it)")
+    try:
+        path = data.path
+    except Exception:  # a mandatory path left unset: training_data says so
+        path = None
+    syn = data.synthetic
+    # (key, why it has no effect or None); a key's first reason that applies is said
+    rules: list[tuple[str, Optional[str]]] = [
+        ("placement.cache_rows", no_cache),
+        ("placement.cache_ratio", no_cache),
+        ("placement.cache_ratio", None if pl.cache_rows is None else
+         f"with placement.cache_rows={pl.cache_rows} (cache_rows sizes the cache)"),
+        ("placement.window", None if kinds & {"lookahead", "disk", "auto"} else
+         f"with {placed} (only lookahead and disk prefetch batches ahead)"),
+        ("placement.policy", None if kinds & {*CACHED_KINDS, "auto"} else
+         f"with {placed} (only cache, lookahead and disk have a placement cache; a low-precision table's "
+         "own cache follows precision.policy)"),
+        ("placement.device_max_rows", "with placement=auto (its search places every table)" if auto else
+         f"with placement={pl.kind} (every table is on the device already)" if pl.kind in ("device", "gpu") else None),
+        ("placement.device_memory_budget", None if auto or (pl.sharding != "replicated" and procs > 1) else
+         f"with placement={pl.kind} (only placement=auto, and placement.sharding over several processes, use it)"),
+        ("placement.host_memory_budget", None if auto else f"with placement={pl.kind} (only placement=auto uses it)"),
+        ("placement.disk_path", no_disk),
+        ("placement.host_cache_rows", no_disk),
+        ("placement.host_cache_ratio", no_disk),
+        ("placement.host_cache_ratio", None if auto or pl.host_cache_rows is None else
+         f"with placement.host_cache_rows={pl.host_cache_rows} (host_cache_rows sizes the host cache)"),
+        ("placement.disk_io_threads", no_disk),
+        ("placement.sharding", f"with {one}: it holds every table" if procs == 1 else None),
+        ("precision.rounding", "with precision=fp32 (only fp16, int8 and int4 rows are rounded)"
+         if pr.kind == "fp32" else None),
+        ("precision.policy", "with precision=fp32 (it is the policy of a low-precision table's own cache)"
+         if pr.kind == "fp32" else None),
+        ("precision.policy", None if kinds - {*CACHED_KINDS, "auto"} else
+         f"with {placed} (every table is behind a placement cache, which follows placement.policy)"),
+        *((f"optimizer.{key}", f"with optimizer.name={opt.name} (only adagrad uses it)" if opt.name != "adagrad"
+           else None) for key in ("eps", "initial_accumulator")),
+        *((f"optimizer.{key}", f"with optimizer.schedule={opt.schedule} (only warmup_poly uses it)"
+           if opt.schedule == "constant" else None)
+          for key in ("warmup_steps", "decay_start_step", "decay_steps", "decay_power", "min_lr")),
+        ("model.dcn_layers", None if model.interaction == "dcn" else
+         f"with model.interaction={model.interaction} (only dcn uses it)"),
+        ("model.dcn_rank", None if model.interaction == "dcn" else
+         f"with model.interaction={model.interaction} (only dcn uses it)"),
+        ("trainer.embedding_sync", f"with {one}: there are no replicas to keep in step" if procs == 1 else None),
+        ("trainer.sync_every", f"with {one}: there are no replicas to average" if procs == 1 else
+         None if tc.embedding_sync == "cache_avg" else
+         f"with trainer.embedding_sync={tc.embedding_sync} (only cache_avg uses it)"),
+        ("trainer.dist_timeout", f"with {one}: there are no peers to wait for" if procs == 1 else None),
+        ("trainer.oversubscribe", f"with {one}" if procs == 1 else None),
+        ("trainer.early_stop_min_delta", None if tc.early_stop_patience is not None else
+         "without trainer.early_stop_patience (only early stopping uses it)"),
+        ("dataset.cache_dir", None if not path else
+         "with dataset.path set (only the built-in synthetic data is generated there)"),
+        *((f"dataset.synthetic.{f.name}", "with dataset.path set (it describes the built-in synthetic data)"
+           if path else None) for f in dataclasses.fields(SyntheticConfig)),
+        *((f"dataset.synthetic.{key}", None if syn.sessions else "with dataset.synthetic.sessions=false")
+          for key in ("session_mean_length", "session_repeat")),
+        *((f"dataset.synthetic.{key}", None if syn.multi_hot_features else
+           "with dataset.synthetic.multi_hot_features=0") for key in
+          ("multi_hot_vocab", "multi_hot_max_length", "multi_hot_min_length")),
+        ("dataset.synthetic.profile", None if syn.cardinalities is None else
+         "with dataset.synthetic.cardinalities set (they replace the profile's)"),
+    ]
+    if auto:  # a table's own placement: the search places every table
+        rules += [(f"placement.overrides.{name}", "with placement=auto (its search places every table)")
+                  for name in pl.overrides]
+    notes, said = [], set()
+    for key, why in rules:
+        if why is None or key in said:
+            continue
+        value = _plain(_get(cfg, key))
+        if key.startswith("placement.overrides.") or value != _plain(_get(_DEFAULTS, key)):
+            said.add(key)
+            notes.append(f"note: {key}={_shown(value)} has no effect {why}")
+    return notes
+
+
+_DEFAULTS = TrainConfig()
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (OmegaConf's lists as lists), to compare with the schema's default."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return value
+    if hasattr(value, "__len__") and hasattr(value, "__iter__") and not hasattr(value, "keys"):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _shown(value: Any) -> str:
+    """`value` as an override writes it (true, null, [1,2])."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return "null" if value is None else str(value)
 
 
 def cache_avg_without_cache(placement_kind: str) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import time
 
+from recsys_cli.errors import say
+
 LOGGER = "recsys_cli.train.run"
 
 
@@ -38,6 +40,16 @@ class RunLog:
         self.logger.info(message)
         if self.console is not None:
             self.console.print(message, soft_wrap=True, markup=False, highlight=False)
+
+    def start_line(self, message: str, console) -> None:
+        """A start-up line (a config note): to the log file, and on `console`
+        (a terminal or not, trainer.progress or not) as the run's other
+        start-up lines are printed (errors.say)."""
+        if not self.enabled:
+            return
+        self.logger.info(message)
+        if console is not None:
+            say(console, message, soft_wrap=True, highlight=False)
 
 
 class StepLines:

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from recsys_cli import checkpoints as ckpt
 from recsys_cli import determinism, wait_policy
-from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, validate
+from recsys_cli.config import DROP_LAST_RANKS, check_precision_cache_ratio, no_effect_notes, validate
 from recsys_cli.data.batch import Batch
 from recsys_cli.data.loader import ShardLoader
 from recsys_cli.device import (allocated_by, pageable_sites, require_dense_precision, resolve_device, runtime_for,
@@ -65,6 +65,10 @@ class Trainer:
         self.console = console
         tc = cfg.trainer
         self.dist = distributed.current()  # world_size 1 unless a process group is up
+        # Lines for batch jobs: to the job log file, and to stdout when it is no terminal (run_log.py).
+        self.run_log = RunLog(console if tc.progress else None, enabled=self.dist.is_main)
+        for note in no_effect_notes(cfg, self.dist.world_size):  # options the config leaves without use (config.py)
+            self.run_log.start_line(note, console)
         self.device = resolve_device(tc.device, one_of_many=self.dist.enabled)  # one device per process
         require_dense_precision(cfg.model.dense_precision, self.device)  # before any table is built
         # Memory refused up front (memory_plan.py): before the built-in data is generated, before any table.
@@ -170,8 +174,6 @@ class Trainer:
         self.timer = PhaseTimer(self.device, self.runtime)
         self.rss = RSSTrace()  # summary.json's memory: RSS at every log step
         self.log = make_log(tc.logger, run_dir, self.dist.is_main)
-        # Lines for batch jobs: to the job log file, and to stdout when it is no terminal (run_log.py).
-        self.run_log = RunLog(console if tc.progress else None, enabled=self.dist.is_main)
         self.progress: TrainProgress | None = None
         self.checkpoint_dir = Path(tc.checkpoint_dir) if tc.checkpoint_dir else (run_dir / "checkpoints" if run_dir else None)
         self.step = 0

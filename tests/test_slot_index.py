@@ -211,11 +211,12 @@ def test_a_long_probe_chain_is_crossed_in_a_few_widening_rounds():
     not the 37 rounds of 8 buckets it took before the windows widened: a
     round's cost is its torch ops, whatever its size."""
     index = SlotIndex(1000, TEST_DEVICE)  # 2000 buckets
-    homes = index._home(torch.arange(2_000_000, device=index.device)).cpu()
-    chain = torch.nonzero(homes >= index.num_buckets - 4).flatten()[:300]
+    candidates = torch.arange(200_000)
+    homes = index._home(candidates.to(index.device)).cpu()
+    chain = candidates[homes >= index.num_buckets - 4][:300]
+    absent = candidates[homes < index.num_buckets - 4][:300]  # keys whose probes run into the chain or stop short
     assert chain.numel() == 300
     index.insert(chain.to(TEST_DEVICE), torch.arange(300, device=TEST_DEVICE))
-    ref = dict(zip(chain.tolist(), range(300)))
     widths = []
     window = index._window
 
@@ -227,8 +228,17 @@ def test_a_long_probe_chain_is_crossed_in_a_few_widening_rounds():
     last = chain[-1:].to(TEST_DEVICE)  # the key at the chain's end
     assert index.lookup(last).tolist() == [299]
     assert widths == [8, 32, 128, 512]
-    _check(index, ref, 2_000_000)
+
+    def check(ref: dict[int, int]) -> None:
+        probe = torch.cat([chain, absent])
+        want = torch.tensor([ref.get(k, -1) for k in probe.tolist()])
+        assert torch.equal(index.lookup(probe.to(TEST_DEVICE)).cpu(), want)
+        keys, values = index.items()
+        assert dict(zip(keys.cpu().tolist(), values.cpu().tolist())) == ref
+
+    ref = dict(zip(chain.tolist(), range(300)))
+    check(ref)
     assert index.remove(chain[100:250].to(TEST_DEVICE), distinct=True) == 150
     for k in chain[100:250].tolist():
         del ref[k]
-    _check(index, ref, 2_000_000)
+    check(ref)

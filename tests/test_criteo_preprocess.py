@@ -456,8 +456,11 @@ def test_failure_keeps_previous_dataset(tmp_path, rows, monkeypatch):
     assert (out / "manifest.json").read_text() == before
 
 
+# A preprocess that says "wrote" after each row group it writes, and slows down,
+# so the test can kill it mid-pass 2; argv: input, output, then the config's extra
+# options as JSON.
 _KILLED_CHILD = r"""
-import sys, time
+import json, sys, time
 from data_tools import shards
 orig = shards.ShardWriter._write_group
 def slow(self, group):
@@ -466,14 +469,15 @@ def slow(self, group):
     time.sleep(0.2)
 shards.ShardWriter._write_group = slow
 from data_tools.criteo import CriteoConfig, preprocess
-preprocess(CriteoConfig(input=sys.argv[1], output=sys.argv[2], row_group_rows=50, progress=False))
+preprocess(CriteoConfig(input=sys.argv[1], output=sys.argv[2], row_group_rows=50, progress=False,
+                        **json.loads(sys.argv[3])))
 """
 
 
 def test_sigkill_mid_run_leaves_no_dataset_and_rerun_cleans_up(tmp_path, rows):
     raw = write_raw(tmp_path / "t.txt", rows)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(raw), str(out)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(raw), str(out), "{}"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "wrote"  # pass 2 is writing shards
@@ -490,19 +494,6 @@ def test_sigkill_mid_run_leaves_no_dataset_and_rerun_cleans_up(tmp_path, rows):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.txt"]
 
 
-_KILLED_WITH_WORKERS = r"""
-import sys, time
-from data_tools import shards
-orig = shards.ShardWriter._write_group
-def slow(self, group):
-    orig(self, group)
-    print("wrote", flush=True)
-    time.sleep(0.2)
-shards.ShardWriter._write_group = slow
-from data_tools.criteo import CriteoConfig, preprocess
-preprocess(CriteoConfig(input=sys.argv[1], output=sys.argv[2], row_group_rows=50, hash_buckets=100, workers=2,
-                        block_size=4096, progress=False))
-"""
 
 
 def _children(pid: int) -> list[int]:
@@ -533,7 +524,8 @@ def test_sigkill_mid_run_ends_the_worker_processes_too(tmp_path, rows):
     good: each worker waited for its next block forever. They now end within
     a second or two of their parent."""
     raw = write_raw(tmp_path / "t.txt", rows)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WITH_WORKERS, str(raw), str(tmp_path / "out")], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(raw), str(tmp_path / "out"),
+                             json.dumps({"hash_buckets": 100, "workers": 2, "block_size": 4096})], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     children: list[int] = []
     try:
